@@ -1,0 +1,342 @@
+"""Every private Keras / JAX name the package touches, in one place.
+
+An upgrade of Keras, KerasHub or JAX that moves one of these names should only
+need an edit here. Each gate is a version tuple so the intent stays readable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import keras
+
+__all__ = [
+    "JAX_VERSION",
+    "KERAS_VERSION",
+    "compute_fans",
+    "context_mesh",
+    "deferred_variables",
+    "in_stateless_scope",
+    "initialize_pending",
+    "is_pending",
+    "pending_initializer",
+    "set_pending_initializer",
+    "distribution_layout_map",
+    "draw_seed",
+    "require_jax_backend",
+    "watch_compilations",
+    "H5IOStore",
+    "forget_deferred_variables",
+    "materialize_deferred_variable",
+    "preset_file",
+    "preset_has_file",
+    "walk_saved_variables",
+]
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        match = re.match(r"\d+", piece)
+        parts.append(int(match.group()) if match else 0)
+    return tuple(parts)
+
+
+JAX_VERSION = _version_tuple(jax.__version__)
+KERAS_VERSION = _version_tuple(keras.__version__)
+
+# Keras turns an initializer's `seed` (int, None or SeedGenerator) into raw
+# threefry key data through this private helper; the sharded initializers must
+# draw exactly the same key to reproduce the parent's values.
+from keras.src.random.seed_generator import draw_seed  # noqa: E402
+
+# Fan computation of `VarianceScaling`; private but stable since Keras 3.0.
+from keras.src.initializers.random_initializers import compute_fans  # noqa: E402
+
+# Keras >= 3.12 passes `layout=` to initializers whose `__call__` accepts it
+# (see `JaxVariable._initialize_with_initializer`). Older versions do not, and
+# the initializers fall back to the registry lookup.
+KERAS_PASSES_LAYOUT_TO_INITIALIZERS = KERAS_VERSION >= (3, 12, 0)
+
+# The concrete mesh installed by `jax.set_mesh`: `jax.sharding.get_mesh` from
+# JAX 0.7 on; earlier versions kept it private.
+if JAX_VERSION >= (0, 7, 0):
+    from jax.sharding import get_mesh as _get_context_mesh
+else:  # pragma: no cover - older JAX
+    from jax._src.mesh import get_concrete_mesh as _get_context_mesh
+
+
+def context_mesh() -> jax.sharding.Mesh | None:
+    """Returns the concrete mesh set with `jax.set_mesh`, or `None`."""
+    mesh = _get_context_mesh()
+    if mesh is None or getattr(mesh, "empty", False):
+        return None
+    return mesh
+
+
+def require_jax_backend() -> None:
+    """Raises unless Keras runs on JAX: sharded init and loading are JAX-only."""
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise RuntimeError(
+            "keras_hub_dist needs the JAX backend of Keras. Expected "
+            f"KERAS_BACKEND='jax'. Received: keras.backend.backend()="
+            f"{backend!r} (KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}). "
+            "Set KERAS_BACKEND=jax before importing keras."
+        )
+
+
+def distribution_layout_map(distribution) -> "keras.distribution.LayoutMap | None":
+    """The LayoutMap of a `ModelParallel` distribution (a private attribute)."""
+    if distribution is None:
+        return None
+    return getattr(distribution, "_layout_map", None)
+
+
+# Every XLA program JAX compiles (jit, eager ops, `lower().compile()`) goes
+# through this private function; the memory sampler wraps it to see compiled
+# programs' temp buffers, which never appear in `jax.live_arrays()`.
+try:
+    from jax._src import compiler as _jax_compiler
+
+    CAN_WATCH_COMPILATIONS = callable(
+        getattr(_jax_compiler, "compile_or_get_cached", None)
+    )
+except ImportError:  # pragma: no cover - JAX moved the module
+    _jax_compiler = None
+    CAN_WATCH_COMPILATIONS = False
+
+_compile_listeners: list[Callable[[Any, str], None]] = []
+_compile_lock = threading.Lock()
+_original_compile_or_get_cached = None
+
+
+def _module_name(computation: Any) -> str:
+    try:
+        from jax._src.lib.mlir import ir
+
+        attr = computation.operation.attributes["sym_name"]
+        return ir.StringAttr(attr).value
+    except Exception:  # noqa: BLE001 - a name is only a label
+        return "?"
+
+
+def _watching_compile_or_get_cached(backend, computation, *args, **kwargs):
+    executable = _original_compile_or_get_cached(
+        backend, computation, *args, **kwargs
+    )
+    name = _module_name(computation)
+    for listener in list(_compile_listeners):
+        try:
+            listener(executable, name)
+        except Exception:  # noqa: BLE001 - never break a user's compile
+            pass
+    return executable
+
+
+@contextlib.contextmanager
+def watch_compilations(
+    callback: Callable[[Any, str], None],
+) -> Iterator[bool]:
+    """Calls `callback(loaded_executable, module_name)` per XLA compilation.
+
+    Yields `False` (and calls nothing) where this JAX version has no hook.
+    The patch is process-wide and removed when the last watcher exits.
+    """
+    global _original_compile_or_get_cached
+    if not CAN_WATCH_COMPILATIONS:
+        yield False
+        return
+    with _compile_lock:
+        if not _compile_listeners:
+            _original_compile_or_get_cached = _jax_compiler.compile_or_get_cached
+            _jax_compiler.compile_or_get_cached = _watching_compile_or_get_cached
+        _compile_listeners.append(callback)
+    try:
+        yield True
+    finally:
+        with _compile_lock:
+            _compile_listeners.remove(callback)
+            if not _compile_listeners:
+                _jax_compiler.compile_or_get_cached = (
+                    _original_compile_or_get_cached
+                )
+                _original_compile_or_get_cached = None
+
+
+# Variables created inside a `keras.StatelessScope` get no value: Keras keeps
+# the initializer on the variable (`_initializer`) and appends the variable to
+# a thread-local list that the outermost scope initializes on exit. Building a
+# model from shapes only, or swapping a variable's initializer before any value
+# exists, both rely on these private names (stable since Keras 3.0).
+from keras.src.backend.common import global_state as _keras_global_state  # noqa: E402
+from keras.src.backend.common.stateless_scope import (  # noqa: E402
+    in_stateless_scope,
+)
+
+_UNINITIALIZED_VARIABLES = "uninitialized_variables"
+
+
+@contextlib.contextmanager
+def deferred_variables() -> Iterator[list]:
+    """Leaves every Keras variable created in the block without a value.
+
+    Yields a list that, once the block exits (normally or by an exception),
+    holds the variables created inside it, still uninitialized. Keras's own
+    pending list is restored exactly as it was, so no later scope exit ever
+    initializes (allocates) them behind the caller's back.
+
+    Raises:
+        RuntimeError: called inside another `StatelessScope`, where variables
+            could not be initialized afterwards.
+    """
+    if in_stateless_scope():
+        raise RuntimeError(
+            "Expected to be called outside any keras.StatelessScope. "
+            "Received: an active StatelessScope. Build the model outside it."
+        )
+    previous = _keras_global_state.get_global_attribute(_UNINITIALIZED_VARIABLES)
+    _keras_global_state.set_global_attribute(_UNINITIALIZED_VARIABLES, [])
+    created: list = []
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield created
+    finally:
+        created.extend(
+            _keras_global_state.get_global_attribute(_UNINITIALIZED_VARIABLES)
+            or []
+        )
+        _keras_global_state.set_global_attribute(
+            _UNINITIALIZED_VARIABLES, previous
+        )
+
+
+def is_pending(variable: Any) -> bool:
+    """Whether `variable` was created without a value (see above)."""
+    return (
+        getattr(variable, "_value", None) is None
+        and getattr(variable, "_initializer", None) is not None
+    )
+
+
+def pending_initializer(variable: Any) -> Any:
+    """The initializer a pending variable will be initialized with."""
+    if not is_pending(variable):
+        raise ValueError(
+            f"Expected a variable created inside deferred_variables() that has "
+            f"no value yet. Received: '{variable.path}', which has a value."
+        )
+    return variable._initializer
+
+
+def set_pending_initializer(variable: Any, initializer: Any) -> None:
+    """Replaces the initializer a pending variable will be initialized with."""
+    pending_initializer(variable)  # validates
+    variable._initializer = initializer
+
+
+def initialize_pending(variables: Iterator[Any] | list) -> None:
+    """Initializes pending variables, in order, under the active distribution.
+
+    Keras's own deferred path (`Variable._deferred_initialize`) is used, so
+    the layout and the initializer call are exactly those of an eager build.
+    A failure names the variable path (as a note on the original exception).
+    """
+    for variable in variables:
+        if not is_pending(variable):
+            continue
+        try:
+            variable._deferred_initialize()
+        except Exception as error:
+            if hasattr(error, "add_note"):
+                error.add_note(
+                    f"While initializing variable '{variable.path}' "
+                    f"(shape {tuple(variable.shape)}, dtype {variable.dtype})."
+                )
+            raise
+
+
+# --- Sharded loading (`load_sharded_preset`, `write_synthetic_preset`) -------
+
+# `model.weights.h5` names its datasets after the walk Keras's saver makes over
+# the model's attributes (layer paths + "vars/<i>"), not after variable paths.
+# Replaying that exact walk with our own store is the only mapping that stays
+# right for every layer that overrides `save_own_variables`.
+from keras.src.backend.common import global_state as _global_state  # noqa: E402
+from keras.src.saving import saving_lib as _saving_lib  # noqa: E402
+
+H5IOStore = _saving_lib.H5IOStore
+
+
+def walk_saved_variables(model: Any, store: Any) -> None:
+    """Runs Keras's `save_weights` walk over `model`, writing into `store`.
+
+    `store` must be an `H5IOStore` subclass: Keras checks the type, then calls
+    `store.make(inner_path, metadata)` per saveable and `store[key] = value`
+    per saved variable, in file order.
+    """
+    _saving_lib._save_state(
+        model,
+        weights_store=store,
+        assets_store=None,
+        inner_path="",
+        visited_saveables=set(),
+    )
+
+
+def forget_deferred_variables(variables: Any) -> None:
+    """Drops variables from Keras's list of deferred (uninitialized) ones.
+
+    Variables created inside `StatelessScope(initialize_variables=False)` stay
+    on that global list; the next top-level stateless scope would otherwise
+    random-initialize them (or fail on ones we already filled).
+    """
+    ids = {id(v) for v in variables}
+    pending = _global_state.get_global_attribute("uninitialized_variables", None)
+    if pending:
+        _global_state.set_global_attribute(
+            "uninitialized_variables", [v for v in pending if id(v) not in ids]
+        )
+
+
+def materialize_deferred_variable(variable: Any, value: Any, layout: Any) -> None:
+    """Gives a deferred variable its first value, already in `layout`.
+
+    `JaxVariable._initialize` skips the relayout when `value.sharding` is
+    equivalent to the layout, so no byte moves; the initializer is dropped so
+    nothing can ever random-initialize the variable later.
+    """
+    if getattr(variable, "_value", None) is not None:
+        raise ValueError(
+            f"Expected a deferred (uninitialized) variable. Received: "
+            f"{variable.path!r}, which already holds a value."
+        )
+    variable._layout = layout
+    variable._initializer = None
+    variable._initialize(value)
+
+
+# KerasHub resolves preset handles (built-in names, kaggle://, hf://, local
+# directories) and downloads into its cache through this private module. It is
+# imported on first use: importing KerasHub is slow and the initializers do
+# not need it.
+def _preset_utils() -> Any:
+    from keras_hub.src.utils import preset_utils
+
+    return preset_utils
+
+
+def preset_file(preset: str, name: str) -> str:
+    """Local path of file `name` of `preset`, downloading it if needed."""
+    return _preset_utils().get_file(preset, name)
+
+
+def preset_has_file(preset: str, name: str) -> bool:
+    """Whether `preset` has file `name` (remote handles may download it)."""
+    return _preset_utils().check_file_exists(preset, name)

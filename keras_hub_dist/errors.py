@@ -1,0 +1,49 @@
+"""Warning classes of the package, so users can filter them precisely.
+
+Example:
+
+```python
+import warnings
+import keras_hub_dist
+
+warnings.simplefilter("ignore", keras_hub_dist.MissingLayoutWarning)
+```
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KerasHubDistWarning",
+    "LayoutFallbackWarning",
+    "MissingLayoutWarning",
+]
+
+
+class KerasHubDistWarning(UserWarning):
+    """Base class of every warning `keras_hub_dist` emits."""
+
+
+class MissingLayoutWarning(KerasHubDistWarning):
+    """A distribution is active but no layout covers a variable's path.
+
+    The variable is then created exactly as the parent Keras initializer would
+    create it (and replicated by Keras), which may not fit on small devices.
+    """
+
+
+class LayoutFallbackWarning(KerasHubDistWarning):
+    """A layout could not shard the axis it asked for and used another one."""
+
+
+class LayoutError(ValueError):
+    """A layout does not fit a variable (axis names, rank or divisibility)."""
+
+
+class PresetError(ValueError):
+    """A preset cannot be loaded as asked: missing or truncated weights file,
+    variables missing from or extra in it, shape/dtype mismatches, or an
+    architecture the sharded loader does not support."""
+
+
+__all__.append("LayoutError")
+__all__.append("PresetError")

@@ -1,0 +1,44 @@
+"""Test setup: 8 simulated CPU devices and the JAX backend, before any import."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+MESH_SHAPES = [(1, 8), (2, 4), (8, 1)]
+
+
+def pytest_configure(config):
+    assert jax.device_count() == 8, (
+        "tests need 8 simulated CPU devices; XLA_FLAGS was set too late: "
+        f"{jax.devices()}"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_distribution():
+    """Every test starts and ends with no global Keras distribution."""
+    keras.distribution.set_distribution(None)
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def make_model_parallel(mesh_shape, layout_entries=None):
+    """A `ModelParallel` over (batch, model) with the given layout entries."""
+    mesh = keras.distribution.DeviceMesh(
+        shape=mesh_shape, axis_names=("batch", "model"), devices=jax.devices()
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in (layout_entries or {}).items():
+        layout_map[key] = axes
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
