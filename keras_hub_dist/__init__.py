@@ -10,7 +10,14 @@ model = keras_hub_dist.load_sharded_preset("gemma_7b_en", mesh=(1, 8))
 ```
 """
 
-from keras_hub_dist._compat import require_jax_backend as _require_jax_backend
+import os as _os
+
+# The package is JAX-only: pick the JAX backend unless the user chose one
+# (this only takes effect when keras has not been imported yet; the
+# `keras-hub-dist` command relies on it).
+_os.environ.setdefault("KERAS_BACKEND", "jax")
+
+from keras_hub_dist._compat import require_jax_backend as _require_jax_backend  # noqa: E402
 
 _require_jax_backend()
 
@@ -26,10 +33,24 @@ from keras_hub_dist.initializers import DistributedRandomUniform  # noqa: E402
 from keras_hub_dist.initializers import DistributedTruncatedNormal  # noqa: E402
 from keras_hub_dist.initializers import DistributedVarianceScaling  # noqa: E402
 from keras_hub_dist import registry  # noqa: E402
+from keras_hub_dist import presets  # noqa: E402
+from keras_hub_dist.abstract import abstract_backbone  # noqa: E402
+from keras_hub_dist.backbones import (  # noqa: E402
+    gemma3_backbone, gemma_backbone, llama_backbone, mistral_backbone,
+    qwen3_backbone, qwen_backbone,
+)
+from keras_hub_dist.errors import UnknownPresetError  # noqa: E402
+from keras_hub_dist.layouts import get_layout_map  # noqa: E402
+from keras_hub_dist.planning import LayoutPlan, plan_layout  # noqa: E402
 from keras_hub_dist.errors import KerasHubDistWarning  # noqa: E402
 from keras_hub_dist.errors import LayoutError  # noqa: E402
 from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
 from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
+from keras_hub_dist.errors import PresetError  # noqa: E402
+from keras_hub_dist.loading import load_sharded_preset  # noqa: E402
+from keras_hub_dist.synthetic import write_synthetic_preset  # noqa: E402
+from keras_hub_dist import memory  # noqa: E402
+from keras_hub_dist.memory import MemorySampler  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -47,7 +68,24 @@ __all__ = [
     "KerasHubDistWarning",
     "LayoutError",
     "LayoutFallbackWarning",
+    "LayoutPlan",
     "MissingLayoutWarning",
+    "PresetError",
+    "UnknownPresetError",
+    "abstract_backbone",
+    "gemma3_backbone",
+    "gemma_backbone",
+    "get_layout_map",
+    "llama_backbone",
+    "mistral_backbone",
+    "plan_layout",
+    "presets",
+    "qwen3_backbone",
+    "qwen_backbone",
     "initializers",
     "registry",
+    "load_sharded_preset",
+    "write_synthetic_preset",
+    "memory",
+    "MemorySampler",
 ]

@@ -21,7 +21,7 @@ __all__ = [
     "KERAS_VERSION",
     "compute_fans",
     "context_mesh",
-    "deferred_variables",
+    "creating_variables_without_values",
     "in_stateless_scope",
     "initialize_pending",
     "is_pending",
@@ -31,9 +31,14 @@ __all__ = [
     "draw_seed",
     "require_jax_backend",
     "watch_compilations",
+    "watch_executions",
     "H5IOStore",
     "forget_deferred_variables",
     "materialize_deferred_variable",
+    "deferred_variables",
+    "initialize_deferred_variable",
+    "is_deferred",
+    "variable_array",
     "preset_file",
     "preset_has_file",
     "walk_saved_variables",
@@ -170,6 +175,62 @@ def watch_compilations(
                 _original_compile_or_get_cached = None
 
 
+# A jitted program's first run with new arguments (and every run of a fresh
+# jit object, even of an already compiled program) goes through this Python
+# class before JAX's C++ fast path takes over; the memory sampler wraps it to
+# learn when a program's temp buffers exist: from its run until its outputs
+# are ready.
+try:
+    from jax._src.interpreters import pxla as _jax_pxla
+
+    CAN_WATCH_EXECUTIONS = callable(
+        getattr(getattr(_jax_pxla, "ExecuteReplicated", None), "__call__", None)
+    )
+except ImportError:  # pragma: no cover - JAX moved the module
+    _jax_pxla = None
+    CAN_WATCH_EXECUTIONS = False
+
+_execute_listeners: list[Callable[[Any, Any], None]] = []
+_original_execute_call = None
+
+
+def _watching_execute_call(self, *args):
+    out = _original_execute_call(self, *args)
+    for listener in list(_execute_listeners):
+        try:
+            listener(self.xla_executable, out)
+        except Exception:  # noqa: BLE001 - never break a user's program
+            pass
+    return out
+
+
+@contextlib.contextmanager
+def watch_executions(callback: Callable[[Any, Any], None]) -> Iterator[bool]:
+    """Calls `callback(loaded_executable, outputs)` per Python-path execution.
+
+    Runs through JAX's C++ fast path (the same jit object called again with
+    the same argument types) are not seen. Yields `False` where this JAX
+    version has no hook. Process-wide; removed when the last watcher exits.
+    """
+    global _original_execute_call
+    if not CAN_WATCH_EXECUTIONS:
+        yield False
+        return
+    with _compile_lock:
+        if not _execute_listeners:
+            _original_execute_call = _jax_pxla.ExecuteReplicated.__call__
+            _jax_pxla.ExecuteReplicated.__call__ = _watching_execute_call
+        _execute_listeners.append(callback)
+    try:
+        yield True
+    finally:
+        with _compile_lock:
+            _execute_listeners.remove(callback)
+            if not _execute_listeners:
+                _jax_pxla.ExecuteReplicated.__call__ = _original_execute_call
+                _original_execute_call = None
+
+
 # Variables created inside a `keras.StatelessScope` get no value: Keras keeps
 # the initializer on the variable (`_initializer`) and appends the variable to
 # a thread-local list that the outermost scope initializes on exit. Building a
@@ -184,7 +245,7 @@ _UNINITIALIZED_VARIABLES = "uninitialized_variables"
 
 
 @contextlib.contextmanager
-def deferred_variables() -> Iterator[list]:
+def creating_variables_without_values() -> Iterator[list]:
     """Leaves every Keras variable created in the block without a value.
 
     Yields a list that, once the block exits (normally or by an exception),
@@ -229,7 +290,8 @@ def pending_initializer(variable: Any) -> Any:
     """The initializer a pending variable will be initialized with."""
     if not is_pending(variable):
         raise ValueError(
-            f"Expected a variable created inside deferred_variables() that has "
+            f"Expected a variable created inside "
+            f"creating_variables_without_values() that has "
             f"no value yet. Received: '{variable.path}', which has a value."
         )
     return variable._initializer
@@ -305,6 +367,27 @@ def forget_deferred_variables(variables: Any) -> None:
         )
 
 
+def deferred_variables() -> list[Any]:
+    """The variables Keras currently holds as deferred (a copy of its list)."""
+    return list(_global_state.get_global_attribute("uninitialized_variables", None) or ())
+
+
+def is_deferred(variable: Any) -> bool:
+    """Whether a variable was created in a stateless scope and has no value."""
+    return getattr(variable, "_value", None) is None
+
+
+def initialize_deferred_variable(variable: Any) -> None:
+    """Runs a deferred variable's own initializer (as Keras would on scope exit)."""
+    variable._deferred_initialize()
+
+
+def variable_array(variable: Any) -> Any:
+    """The array a variable holds (`None` while deferred), without reading it
+    through `.value` (which would run the initializer of a deferred one)."""
+    return getattr(variable, "_value", None)
+
+
 def materialize_deferred_variable(variable: Any, value: Any, layout: Any) -> None:
     """Gives a deferred variable its first value, already in `layout`.
 
@@ -340,3 +423,4 @@ def preset_file(preset: str, name: str) -> str:
 def preset_has_file(preset: str, name: str) -> bool:
     """Whether `preset` has file `name` (remote handles may download it)."""
     return _preset_utils().check_file_exists(preset, name)
+

@@ -41,9 +41,9 @@ BlockSampler = Callable[[tuple[int, ...], Any, jax.Array], jax.Array]
 
 # Upper bound on one chunk's elements. Drawing a chunk takes ~4 chunk-sized
 # temporaries (two counter words, bits, floats), so 1/32 of a shard costs
-# ~1/8 of the shard in temps; shards under 256K elements stay one chunk.
+# ~1/8 of the shard in temps; shards under 128K elements stay one chunk.
 _CHUNK_FRACTION = 32
-_MIN_CHUNK_ELEMENTS = 1 << 18
+_MIN_CHUNK_ELEMENTS = 1 << 17
 
 _LOW16 = np.uint32(0xFFFF)
 
@@ -119,7 +119,7 @@ def chunk_plan(block_shape: Sequence[int], itemsize: int = 4) -> tuple[int, int]
 
     Every dimension before `dim` is walked one index at a time, so each chunk
     is a rectangular block of at most ~1/32 of the shard (and never smaller
-    than 256K elements unless the shard is). `rows` divides `block_shape[dim]`,
+    than 128K elements unless the shard is). `rows` divides `block_shape[dim]`,
     so every chunk has one static shape.
     """
     del itemsize  # Temporaries scale with elements; kept for callers' clarity.

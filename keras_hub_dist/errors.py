@@ -47,3 +47,11 @@ class PresetError(ValueError):
 
 __all__.append("LayoutError")
 __all__.append("PresetError")
+
+
+class UnknownPresetError(ValueError):
+    """A name is not one of the named architectures in `presets/`; the
+    message lists the closest known names."""
+
+
+__all__.append("UnknownPresetError")

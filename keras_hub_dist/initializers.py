@@ -62,6 +62,7 @@ __all__ = [
     "DistributedTruncatedNormal",
     "DistributedVarianceScaling",
     "distributed_like",
+    "initialize_variables",
 ]
 
 _warned_paths: set[tuple[str, str]] = set()
@@ -393,6 +394,45 @@ _TWINS: tuple[tuple[type, type], ...] = (
 )
 
 
+def initialize_variables(variables: Any) -> None:
+    """Gives pending (deferred) variables their values, each in its layout.
+
+    For variables created inside a `keras.StatelessScope` that left them
+    without a value. A variable whose initializer is one of ours is drawn
+    shard by shard straight into its final sharding and placed as is: Keras's
+    own deferred path would call it under `jax.sharding.explicit_axes` and then
+    reshard the result, which copies every shard once more (2x per device for a
+    moment). Other variables go through Keras's own deferred initialization.
+
+    Args:
+        variables: Keras variables; those that already hold a value are
+            skipped. Run under the distribution the variables belong to.
+
+    Raises:
+        Whatever the initializer raises, with the variable path added as a
+        note (e.g. `LayoutError` for a layout that does not divide).
+    """
+    distribution = keras.distribution.distribution()
+    for variable in variables:
+        if not _compat.is_pending(variable):
+            continue
+        initializer = _compat.pending_initializer(variable)
+        if not isinstance(initializer, _Distributed) or distribution is None:
+            _compat.initialize_pending([variable])
+            continue
+        try:
+            layout = distribution.get_variable_layout(variable)
+            value = initializer(variable.shape, dtype=variable.dtype, layout=layout)
+            _compat.materialize_deferred_variable(variable, value, layout)
+        except Exception as error:
+            error.add_note(
+                f"While initializing variable '{variable.path}' (shape "
+                f"{tuple(variable.shape)}, dtype {variable.dtype})."
+            )
+            raise
+        _compat.forget_deferred_variables([variable])
+
+
 def distributed_like(
     initializer: Any, path: str | None = None
 ) -> keras.initializers.Initializer:
@@ -423,11 +463,11 @@ def distributed_like(
             return initializer
     for keras_class, twin_class in _TWINS:
         if type(initializer) is keras_class or type(initializer) is twin_class:
-            twin = twin_class.from_config({**initializer.get_config(), "path": path})
-            # An unseeded Keras initializer draws its seed at construction;
-            # sharing it makes the twin reproduce that initializer's values.
-            twin.seed = initializer.seed
-            return twin
+            # The live seed, not the config's: an unseeded Keras initializer
+            # drew its seed at construction, and passing it on reproduces its
+            # values without drawing another from Python's `random`.
+            config = {**initializer.get_config(), "seed": initializer.seed, "path": path}
+            return twin_class.from_config(config)
     raise TypeError(
         "Expected one of the Keras random initializers "
         f"{[k.__name__ for k, _ in _TWINS]}. Received: "

@@ -1,5 +1,6 @@
 """Distributed initializers: values, shardings, memory and bad input."""
 
+import gc
 import json
 import math
 import warnings
@@ -318,3 +319,55 @@ def test_seed_generator_draws_once_per_call():
         with distribution.scope():
             got = np.asarray(ours(SHAPE))
         assert fusion_rounding(got, expected) <= 2
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
+def test_initialize_variables_places_shards_without_a_copy(mesh_shape):
+    from keras_hub_dist import _compat
+    from keras_hub_dist.memory import MemorySampler
+
+    shape = (16384, 512)  # 32 MiB: at least 4 chunks per shard
+    init = keras_hub_dist.DistributedVarianceScaling(seed=6)
+    distribution = embedding_distribution(mesh_shape)
+    with distribution.scope():
+        direct = np.asarray(init(shape))
+        with _compat.creating_variables_without_values() as created:
+            layer = keras.layers.Embedding(*shape, embeddings_initializer=init,
+                                           name="token_embedding")
+            layer.build(None)
+        assert _compat.is_pending(layer.embeddings)
+        gc.collect()  # earlier tests' arrays must not be freed mid-sample
+        with MemorySampler(interval_s=0.001) as sampler:
+            khd_init.initialize_variables(created)
+            value = jax.block_until_ready(layer.embeddings.value)
+    assert not _compat.is_pending(layer.embeddings)
+    assert value.sharding.is_equivalent_to(
+        distribution.get_variable_layout(layer.embeddings).backend_layout, 2)
+    np.testing.assert_array_equal(np.asarray(value), direct)
+    # Only the sharded draw ran: no reshard/copy program, and no device held
+    # more than its shard (plus the draw's chunk temporaries).
+    assert [c["name"] for c in sampler.compiled] == ["jit_per_device"] or all(
+        "reshard" not in c["name"] for c in sampler.compiled)
+    shard = value.addressable_shards[0].data.nbytes
+    for device, start in sampler.start_per_device.items():
+        assert sampler.live_peak_per_device[device] - start <= shard
+        assert sampler.peak_per_device[device] - start <= 2 * shard
+
+
+def test_initialize_variables_names_the_failing_path():
+    from keras_hub_dist import _compat
+
+    mesh = keras.distribution.DeviceMesh((1, 6), ("batch", "model"), jax.devices()[:6])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["token_embedding/embeddings"] = ("model", None)
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
+    init = keras_hub_dist.DistributedRandomNormal(seed=0)
+    with distribution.scope():
+        with _compat.creating_variables_without_values() as created:
+            layer = keras.layers.Embedding(1000, 8, embeddings_initializer=init,
+                                           name="token_embedding")
+            layer.build(None)
+        with pytest.raises(keras_hub_dist.LayoutError) as info:
+            khd_init.initialize_variables(created)
+    assert "While initializing variable 'token_embedding/embeddings'" in str(
+        info.value.__notes__)
