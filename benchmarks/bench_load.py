@@ -92,6 +92,15 @@ def _touch_arrays(arrays) -> int:
     return total
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process (all threads, incl. the
+    memory sampler's)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _weights_path(preset: str) -> str:
     return os.path.join(preset, "model.weights.h5")
 
@@ -106,6 +115,7 @@ def _case_floor(args, huge_pages: bool) -> dict:
     size = os.path.getsize(path)
     memory.reset_host_peak_rss()
     rss0 = memory.current_rss_bytes()
+    cpu0 = _cpu_seconds()
     start = time.perf_counter()
     if huge_pages:  # the same fresh memory the loader fills
         buffer = aligned_empty((size,), np.uint8)
@@ -123,6 +133,7 @@ def _case_floor(args, huge_pages: bool) -> dict:
     wall = time.perf_counter() - start
     return {
         "wall_s": wall,
+        "cpu_s": _cpu_seconds() - cpu0,
         "file_bytes": size,
         "host_rss_start": rss0,
         "host_rss_peak": memory.host_peak_rss_bytes(),
@@ -171,6 +182,7 @@ def _case_load(args, which: str) -> dict:
         )
     gc.collect()
     with memory.MemorySampler(interval_s=0.002) as sampler:
+        cpu0 = _cpu_seconds()
         start = time.perf_counter()
         if which == "stock" and args.stock_cap_gb:
             _watchdog(int(args.stock_cap_gb * 1e9), start)
@@ -185,12 +197,14 @@ def _case_load(args, which: str) -> dict:
         jax.block_until_ready(arrays)
         _touch_arrays(arrays)
         wall = time.perf_counter() - start
+        cpu = _cpu_seconds() - cpu0
         sampler.sample()
     specs = sorted({str(a.sharding.spec) for a in arrays})
     model_bytes = sum(a.nbytes for a in arrays)
     start_per_device = sampler.start_per_device
     return {
         "wall_s": wall,
+        "cpu_s": cpu,
         "model_bytes": model_bytes,
         "peak_per_device": {
             d: p - start_per_device.get(d, 0) for d, p in sampler.peak_per_device.items()
@@ -286,9 +300,10 @@ def _summarize(results: list[tuple[str, dict]]) -> str:
     floor = _median([r["wall_s"] for r in ok.get("floor", [])])
     floor_thp = _median([r["wall_s"] for r in ok.get("floor_thp", [])])
     rows = [
-        "| case | runs | wall s (median; all) | wall / file read | wall / file read (huge pages) "
-        "| per-device peak / final (max) | host RSS growth / model bytes | notes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | runs | wall s (median; all) | CPU s (median) | wall / file read "
+        "| wall / file read (huge pages) | per-device peak / final (max) "
+        "| host RSS growth / model bytes | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in by_case.items():
         good = ok[name]
@@ -296,21 +311,22 @@ def _summarize(results: list[tuple[str, dict]]) -> str:
         if not good:
             r = runs[-1]
             note = r.get("reason") or f"exit {r.get('returncode')}: {r.get('stderr_tail', '')[-300:]!r}"
-            rows.append(f"| {name} | {len(runs)} | stopped ({walls}) | - | - | - | - | {note} |")
+            rows.append(f"| {name} | {len(runs)} | stopped ({walls}) | - | - | - | - | - | {note} |")
             continue
         wall = _median([r["wall_s"] for r in good])
+        cpu = _median([r["cpu_s"] for r in good])
         if name.startswith("floor"):
             growth = _median([(r["host_rss_peak"] - r["host_rss_start"]) / r["file_bytes"] for r in good])
             label = "read file, plain memory" if name == "floor" else "read file, huge pages"
             rows.append(
-                f"| {name} ({label}) | {len(runs)} | {wall:.2f} ({walls}) | {wall / floor:.2f} "
+                f"| {name} ({label}) | {len(runs)} | {wall:.2f} ({walls}) | {cpu:.2f} | {wall / floor:.2f} "
                 f"| {wall / floor_thp:.2f} | - | {growth:.2f} | {good[0]['file_bytes'] / 1e9:.2f} GB file |"
             )
             continue
         peak = max(_max_ratio(r) for r in good)
         growth = max((r["host_rss_peak"] - r["host_rss_start"]) / r["model_bytes"] for r in good)
         rows.append(
-            f"| {name} | {len(runs)} | {wall:.2f} ({walls}) | {wall / floor:.2f} | {wall / floor_thp:.2f} "
+            f"| {name} | {len(runs)} | {wall:.2f} ({walls}) | {cpu:.2f} | {wall / floor:.2f} | {wall / floor_thp:.2f} "
             f"| {peak:.2f} | {growth:.2f} | {good[0]['model_bytes'] / 1e9:.2f} GB model, "
             f"{good[0]['compiled_programs']} XLA programs compiled |"
         )
@@ -322,7 +338,9 @@ def main() -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="width1")
     parser.add_argument("--workdir", default="/work/bench_tmp")
     parser.add_argument(
-        "--cases", default="floor,floor_thp,ours,stock,floor,floor_thp,ours,floor,ours"
+        "--cases",
+        default="floor,floor_thp,ours,floor,floor_thp,ours,floor,floor_thp,ours,stock",
+        help="cases in run order (interleaved repeats; medians are reported)",
     )
     parser.add_argument("--stock_cap_gb", type=float, default=0.0,
                         help="stop stock when its host RSS crosses this (0: no cap)")
@@ -349,8 +367,11 @@ def main() -> None:
         _write(args)
         if args.write_only:
             return
-        # One unmeasured read so every case starts with the same page cache.
+        # One unmeasured read so every case starts with the same page cache,
+        # and one unmeasured case: the first large allocation after a write
+        # pays for the kernel reclaiming memory, which no case should.
         subprocess.run(["cat", _weights_path(args.preset)], stdout=subprocess.DEVNULL, check=True)
+        print(f"warm-up: {json.dumps(_spawn(args, 'floor_thp'))[:120]}", flush=True)
         results = []
         for case in args.cases.split(","):
             result = _spawn(args, case)

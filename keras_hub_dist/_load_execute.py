@@ -4,8 +4,9 @@ The thin second phase of loading. For every variable of the plan:
 
 1. each distinct local block is read from the weights file into a fresh,
    64-byte-aligned host buffer that nothing else references (`os.preadv` of
-   the exact runs, or row bands scattered to the blocks, see `_load_plan`),
-   and cast to the variable's dtype on the host, block by block;
+   its exact runs, or scatter reads of the file's contiguous stretches into
+   several blocks' buffers at once, see `_load_plan`), and cast to the
+   variable's dtype on the host, block by block;
 2. the buffer goes to the first device that holds the block
    (`jax.device_put`; on CPU this may alias the buffer, which is safe because
    the loader drops it at once) and is copied device-to-device to the other
@@ -22,6 +23,7 @@ preset can be deleted or overwritten as soon as this returns.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import mmap
@@ -29,7 +31,9 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Iterator, TextIO
 
 import jax
@@ -42,8 +46,9 @@ __all__ = ["ExecuteStats", "ProgressBar", "aligned_empty", "execute_plan"]
 
 # XLA's CPU client aliases host buffers aligned to this instead of copying.
 _ALIGNMENT = 64
-# Linux caps one read at 0x7ffff000 bytes.
+# Linux caps one read at 0x7ffff000 bytes and one preadv at IOV_MAX iovecs.
 _MAX_READ = 1 << 30
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 # Buffers from this size on get their own huge-page-backed anonymous mapping.
 _HUGE_PAGE_MIN_BYTES = 4 << 20
 _HAS_MADVISE_HUGEPAGE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
@@ -80,6 +85,12 @@ class ExecuteStats:
     read_calls: int = 0
     blocks: int = 0
     device_copies: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_read(self, nbytes: int, calls: int) -> None:
+        with self._lock:  # reader threads report concurrently
+            self.bytes_read += nbytes
+            self.read_calls += calls
 
 
 class ProgressBar:
@@ -167,11 +178,18 @@ class _Files:
 
 
 def _pread_into(fd: int, buffer: memoryview, offset: int, stats: ExecuteStats) -> None:
+    _preadv_full(fd, [buffer], offset, stats)
+
+
+def _preadv_full(fd: int, buffers: list[memoryview], offset: int, stats: ExecuteStats) -> None:
+    """Fills `buffers`, in order, from the contiguous file bytes at `offset`."""
+    total = sum(len(b) for b in buffers)
     done = 0
-    total = len(buffer)
-    while done < total:
-        n = os.preadv(fd, [buffer[done : done + _MAX_READ]], offset + done)
-        stats.read_calls += 1
+    calls = 0
+    pending = buffers
+    while pending:
+        n = os.preadv(fd, pending, offset + done)
+        calls += 1
         if n <= 0:
             raise PresetError(
                 f"The weights file ended early: expected {total} bytes at "
@@ -179,7 +197,13 @@ def _pread_into(fd: int, buffer: memoryview, offset: int, stats: ExecuteStats) -
                 "or changed during the load."
             )
         done += n
-    stats.bytes_read += total
+        # A short read (signals, > 2 GiB requests) resumes mid-buffer.
+        while pending and n >= len(pending[0]):
+            n -= len(pending[0])
+            pending = pending[1:]
+        if pending and n:
+            pending = [pending[0][n:]] + pending[1:]
+    stats.add_read(total, calls)
 
 
 def _cast(host: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -196,8 +220,12 @@ def _read_direct(files: _Files, var: VariablePlan, block: Block, stats: ExecuteS
     fd = files.fd(var.dataset.file)
     position = 0
     for offset, length in block.runs:
-        _pread_into(fd, flat[position : position + length], offset, stats)
-        position += length
+        end = position + length
+        while position < end:  # at most _MAX_READ per call
+            step = min(end - position, _MAX_READ)
+            _pread_into(fd, flat[position : position + step], offset, stats)
+            position += step
+            offset += step
     return _cast(host, var.target_dtype)
 
 
@@ -207,59 +235,112 @@ def _read_h5py(files: _Files, var: VariablePlan, block: Block, stats: ExecuteSta
     raw = np.asarray(raw)
     if raw.dtype != var.source_dtype:  # Keras's bfloat16 is stored opaque.
         raw = raw.view(var.source_dtype)
-    stats.bytes_read += raw.nbytes
-    stats.read_calls += 1
+    stats.add_read(raw.nbytes, 1)
     out = aligned_empty(block.shape, var.target_dtype)
     out[...] = raw
     return out
 
 
-def _read_spans(files: _Files, var: VariablePlan, stats: ExecuteStats) -> Iterator[tuple[Block, np.ndarray]]:
-    """Reads row bands once and scatters them; yields blocks as they complete."""
+def _pieces(var: VariablePlan) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Every run of every block as (file offset, length, block, buffer offset),
+    sorted by file offset."""
+    offsets, lengths, owners, targets = [], [], [], []
+    for i, block in enumerate(var.blocks):
+        runs = block.runs
+        if not runs.num_runs:
+            continue
+        if runs.counts:
+            grid = np.indices(runs.counts).reshape(len(runs.counts), -1)
+            starts = runs.offset + (np.asarray(runs.strides)[:, None] * grid).sum(axis=0)
+        else:
+            starts = np.asarray([runs.offset])
+        offsets.append(starts)
+        lengths.append(np.full(starts.size, runs.run_bytes))
+        owners.append(np.full(starts.size, i))
+        targets.append(np.arange(starts.size) * runs.run_bytes)
+    if not offsets:
+        return [], [], [], []
+    offset = np.concatenate(offsets)
+    order = np.argsort(offset, kind="stable")
+    return (
+        offset[order].tolist(),
+        np.concatenate(lengths)[order].tolist(),
+        np.concatenate(owners)[order].tolist(),
+        np.concatenate(targets)[order].tolist(),
+    )
+
+
+def _read_scatter(files: _Files, var: VariablePlan, stats: ExecuteStats) -> Iterator[tuple[Block, np.ndarray]]:
+    """Reads each contiguous stretch of the file with one `preadv` whose iovecs
+    point into the blocks' buffers; yields blocks as they complete."""
     fd = files.fd(var.dataset.file)
-    row_bytes = var.row_bytes
-    rest = var.shape[1:]
-    largest = max(stop - start for start, stop in var.spans)
-    scratch = aligned_empty((largest,) + rest, var.source_dtype)
-    buffers: dict[int, np.ndarray] = {}
-    pending = list(var.blocks)
-    for start, stop in var.spans:
-        band = scratch[: stop - start]
-        _pread_into(
-            fd,
-            memoryview(band.reshape(-1).view(np.uint8)),
-            var.dataset.offset + start * row_bytes,
-            stats,
-        )
-        for i, block in enumerate(var.blocks):
-            b_start, b_stop = block.index[0]
-            lo, hi = max(start, b_start), min(stop, b_stop)
-            if lo >= hi:
-                continue
-            if i not in buffers:
-                buffers[i] = aligned_empty(block.shape, var.target_dtype)
-            buffers[i][lo - b_start : hi - b_start] = band[
-                (slice(lo - start, hi - start),) + block.slices()[1:]
-            ]
-        still = []
-        for block in pending:
-            if block.index[0][1] <= stop:
-                yield block, buffers.pop(var.blocks.index(block))
-            else:
-                still.append(block)
-        pending = still
-    del scratch
-    for block in pending:  # Only blocks of zero rows can be left.
-        yield block, buffers.pop(var.blocks.index(block), aligned_empty(block.shape, var.target_dtype))
+    offsets, lengths, owners, targets = _pieces(var)
+    left = [0] * len(var.blocks)
+    for b in owners:
+        left[b] += 1
+    hosts: dict[int, np.ndarray] = {}
+    views: dict[int, memoryview] = {}
+    i, count = 0, len(offsets)
+    while i < count:
+        start = offsets[i]
+        iovecs: list[memoryview] = []
+        size = 0
+        j = i
+        while (
+            j < count
+            and len(iovecs) < _IOV_MAX
+            and size + lengths[j] <= _MAX_READ
+            and (j == i or offsets[j] == offsets[j - 1] + lengths[j - 1])
+        ):
+            b = owners[j]
+            if b not in views:
+                hosts[b] = aligned_empty(var.blocks[b].shape, var.source_dtype)
+                views[b] = memoryview(hosts[b].reshape(-1).view(np.uint8))
+            iovecs.append(views[b][targets[j] : targets[j] + lengths[j]])
+            size += lengths[j]
+            j += 1
+        _preadv_full(fd, iovecs, start, stats)
+        del iovecs
+        for k in range(i, j):
+            b = owners[k]
+            left[b] -= 1
+            if not left[b]:
+                del views[b]
+                yield var.blocks[b], _cast(hosts.pop(b), var.target_dtype)
+        i = j
+    for b, block in enumerate(var.blocks):  # Blocks of zero bytes.
+        if not block.runs.num_runs:
+            yield block, aligned_empty(block.shape, var.target_dtype)
 
 
-def _host_blocks(files: _Files, var: VariablePlan, stats: ExecuteStats) -> Iterator[tuple[Block, np.ndarray]]:
-    if var.strategy == "span":
-        yield from _read_spans(files, var, stats)
+def _host_blocks(
+    files: _Files,
+    var: VariablePlan,
+    stats: ExecuteStats,
+    pool: ThreadPoolExecutor | None,
+    num_threads: int,
+) -> Iterator[tuple[Block, np.ndarray]]:
+    if var.strategy == "scatter":
+        yield from _read_scatter(files, var, stats)
         return
     read = _read_direct if var.strategy == "direct" else _read_h5py
-    for block in var.blocks:
-        yield block, read(files, var, block, stats)
+    if pool is None or len(var.blocks) < 2 or var.strategy != "direct":
+        for block in var.blocks:
+            yield block, read(files, var, block, stats)
+        return
+    files.fd(var.dataset.file)  # opened here, not racing in the threads
+    # A few blocks in flight: reads overlap (the GIL is released in preadv and
+    # page faults), while host memory stays bounded by the window.
+    window: collections.deque = collections.deque()
+    blocks = iter(var.blocks)
+    for block in blocks:
+        window.append((block, pool.submit(read, files, var, block, stats)))
+        if len(window) > num_threads:
+            done_block, future = window.popleft()
+            yield done_block, future.result()
+    while window:
+        done_block, future = window.popleft()
+        yield done_block, future.result()
 
 
 def execute_plan(
@@ -269,6 +350,7 @@ def execute_plan(
     on_variable: Callable[[VariablePlan, jax.Array], None],
     *,
     progress: ProgressBar | None = None,
+    num_threads: int = 2,
 ) -> ExecuteStats:
     """Reads and places every variable of `plan`, calling `on_variable` per one.
 
@@ -280,6 +362,8 @@ def execute_plan(
         on_variable: Receives each variable's plan and global `jax.Array` as
             soon as it is complete (e.g. to fill the Keras variable).
         progress: Advanced by the bytes read.
+        num_threads: Blocks of a variable read concurrently (`"direct"`
+            strategy); 1 reads everything in the calling thread.
 
     Returns:
         `ExecuteStats` of this process.
@@ -296,11 +380,12 @@ def execute_plan(
     pending_bytes = 0
     reported = 0
     on_cpu = all(d.platform == "cpu" for d in devices.values())
+    pool = ThreadPoolExecutor(num_threads, "keras_hub_dist-read") if num_threads > 1 else None
     try:
         for var in plan.variables:
             try:
                 per_device: list[jax.Array] = []
-                for block, host in _host_blocks(files, var, stats):
+                for block, host in _host_blocks(files, var, stats, pool, num_threads):
                     first = jax.device_put(host, devices[block.device_ids[0]])
                     per_device.append(first)
                     for device_id in block.device_ids[1:]:
@@ -341,6 +426,8 @@ def execute_plan(
                 pass
         raise
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         files.close()
         if progress is not None:
             progress.close()

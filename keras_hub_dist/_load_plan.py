@@ -9,16 +9,16 @@ For each variable the plan groups this process's devices by the block of the
 global array they hold (a fully replicated variable is one block held by all
 local devices): each block is read from disk once per process and copied to
 the other devices that hold it. Each block's bytes in the file are an exact
-set of strided runs (`ByteRuns`). The executor reads them in one of three
-ways, chosen here so the byte count is known in advance:
+set of strided runs (`ByteRuns`); a process reads exactly the runs of its own
+blocks, each byte once. The executor reads them in one of three ways:
 
-- `"direct"`: every run straight into the block's buffer (`os.preadv`); used
-  when runs are long (or there is one per block).
-- `"span"`: contiguous row bands of the variable (bounded by
-  `span_chunk_bytes`) into a scratch buffer, scattered to every local block;
-  used when runs are short (e.g. a kernel split along its last axis) and the
-  local blocks need every byte of the band (so no byte is read that another
-  process's devices hold).
+- `"direct"`: each block's runs straight into its buffer (one `os.preadv`
+  per run); used when runs are long (or there is one per block), and blocks
+  can be read in parallel.
+- `"scatter"`: the runs of all local blocks merged in file order, so each
+  contiguous stretch of the file is read by one `os.preadv` whose iovecs
+  point into the blocks' buffers (no scratch buffer, no copy); used when runs
+  are short, e.g. a kernel split along its last axis (a run per row).
 - `"h5py"`: a hyperslab read through h5py, for chunked/compressed datasets
   (Keras never writes them, but other tools might).
 
@@ -58,10 +58,9 @@ __all__ = [
 AxisEntry = str | tuple[str, ...] | None
 Index = tuple[tuple[int, int], ...]
 
-# Runs at least this long are read one `preadv` each; shorter runs are read as
-# row bands (a syscall per few KiB would cost more than the extra bytes).
+# Runs at least this long are read one `preadv` each (blocks in parallel);
+# shorter runs are merged across blocks into few large scatter reads.
 DIRECT_MIN_RUN_BYTES = 256 * 1024
-DEFAULT_SPAN_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -228,9 +227,9 @@ class VariablePlan:
         spec: Partition spec (one entry per dimension).
         dataset: Where the bytes are.
         blocks: The distinct local blocks.
-        strategy: `"direct"`, `"span"` or `"h5py"` (see the module doc).
-        spans: For `"span"`: the `(row_start, row_stop)` bands to read.
-        read_bytes: Bytes this process reads from the file for the variable.
+        strategy: `"direct"`, `"scatter"` or `"h5py"` (see the module doc).
+        read_bytes: Bytes this process reads from the file for the variable
+            (exactly the bytes of its blocks, each once).
     """
 
     path: str
@@ -241,20 +240,12 @@ class VariablePlan:
     dataset: DatasetInfo
     blocks: tuple[Block, ...]
     strategy: str
-    spans: tuple[tuple[int, int], ...]
     read_bytes: int
 
     @property
     def replicated(self) -> bool:
         """Whether every local device holds the whole variable."""
         return len(self.blocks) == 1 and self.blocks[0].shape == self.shape
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one index along dimension 0 on disk."""
-        if not self.shape or not self.shape[0]:
-            return 0
-        return self.dataset.nbytes // self.shape[0]
 
     def device_bytes(self) -> dict[int, int]:
         """Target-dtype bytes this variable puts on each local device."""
@@ -297,40 +288,14 @@ class VariableRequest:
     target_dtype: Any
 
 
-def _merge_intervals(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[list[int]] = []
-    for start, stop in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], stop)
-        else:
-            merged.append([start, stop])
-    return [(a, b) for a, b in merged]
-
-
-def _choose_strategy(
-    dataset: DatasetInfo, blocks: Sequence[Block], span_chunk_bytes: int
-) -> tuple[str, tuple[tuple[int, int], ...], int]:
-    needed = sum(b.runs.nbytes if b.runs else 0 for b in blocks)
+def _choose_strategy(dataset: DatasetInfo, blocks: Sequence[Block]) -> tuple[str, int]:
     if not dataset.contiguous:
-        return "h5py", (), sum(
-            math.prod(b.shape) * dataset.dtype.itemsize for b in blocks
-        )
+        return "h5py", sum(math.prod(b.shape) * dataset.dtype.itemsize for b in blocks)
+    needed = sum(b.runs.nbytes for b in blocks)
     shortest = min((b.runs.run_bytes for b in blocks if b.runs.num_runs), default=0)
     if all(b.runs.num_runs <= 1 for b in blocks) or shortest >= DIRECT_MIN_RUN_BYTES:
-        return "direct", (), needed
-    row_bytes = dataset.nbytes // dataset.shape[0]
-    rows = _merge_intervals([b.index[0] for b in blocks])
-    band_bytes = sum(stop - start for start, stop in rows) * row_bytes
-    # Bands are read only when this process needs every byte in them, so a
-    # process never reads bytes another process's devices hold.
-    if row_bytes > span_chunk_bytes or needed != band_bytes:
-        return "direct", (), needed
-    rows_per_chunk = max(1, span_chunk_bytes // row_bytes)
-    spans = []
-    for start, stop in rows:
-        for r in range(start, stop, rows_per_chunk):
-            spans.append((r, min(stop, r + rows_per_chunk)))
-    return "span", tuple(spans), band_bytes
+        return "direct", needed
+    return "scatter", needed
 
 
 def plan_load(
@@ -338,7 +303,6 @@ def plan_load(
     mesh: Any,
     *,
     process_index: int = 0,
-    span_chunk_bytes: int = DEFAULT_SPAN_CHUNK_BYTES,
 ) -> LoadPlan:
     """Plans what process `process_index` reads and where each block goes.
 
@@ -350,8 +314,6 @@ def plan_load(
             `process_index`).
         process_index: The process to plan for: only devices with this
             `process_index` are considered.
-        span_chunk_bytes: Upper bound of the scratch buffer of the `"span"`
-            strategy.
 
     Returns:
         A `LoadPlan`.
@@ -375,7 +337,7 @@ def plan_load(
             runs = byte_runs(shape, itemsize, index, dataset.offset) if dataset.contiguous else None
             blocks.append(Block(index, tuple(ids), runs))
         blocks.sort(key=lambda b: (b.index, mesh_order[b.device_ids[0]]))
-        strategy, spans, read_bytes = _choose_strategy(dataset, blocks, span_chunk_bytes)
+        strategy, read_bytes = _choose_strategy(dataset, blocks)
         spec = tuple(request.spec) + (None,) * (len(shape) - len(tuple(request.spec)))
         variables.append(
             VariablePlan(
@@ -387,7 +349,6 @@ def plan_load(
                 dataset=dataset,
                 blocks=tuple(blocks),
                 strategy=strategy,
-                spans=spans,
                 read_bytes=read_bytes if blocks else 0,
             )
         )

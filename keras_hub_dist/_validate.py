@@ -702,7 +702,11 @@ def plot_report(report: Mapping[str, Any], path: str) -> None:
                 continue
             timeline = case["timeline"]
             for d, values in timeline["bytes"].items():
-                ax.plot(timeline["t"], [v / 2**20 for v in values], label=f"device {d}", linewidth=1)
+                # Steps: between two samples nothing is known to have changed.
+                ax.plot(
+                    timeline["t"], [v / 2**20 for v in values], label=f"device {d}",
+                    linewidth=1, drawstyle="steps-post",
+                )
             if budget is not None:
                 ax.axhline(budget / 2**20, color="red", linestyle="--", linewidth=1, label="budget")
             peak = max(case["peak_per_device"].values())

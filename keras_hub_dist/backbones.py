@@ -7,8 +7,10 @@ replaced by its distributed twin
 seed, same values). Nothing is patched: the backbone is constructed with its
 variables left without values (inside a `keras.StatelessScope`), the
 embedding variable's pending initializer is swapped for the twin, and then
-every variable is initialized through Keras's own deferred path, under the
-active distribution. So no weight is ever generated only to be thrown away,
+every variable is initialized under the active distribution: each one with a
+Keras random initializer (the embedding and every kernel) through the twin of
+that initializer, straight into its shards, the others (norm scales) through
+Keras's own deferred path. So no weight is ever generated only to be thrown away,
 and no class, registry entry or Keras global is left changed, whether the
 factory returns or raises.
 
@@ -99,9 +101,10 @@ def _build(factory: str, name_or_config: Any, overrides: dict[str, Any]):
     twin = initializers.distributed_like(embedding.embeddings_initializer, path=path)
     embedding.embeddings_initializer = twin
     _compat.set_pending_initializer(embedding.embeddings, twin)
-    # Draws the embedding straight into its shards (no reshard copy); every
-    # other variable goes through Keras's own deferred initialization.
-    initializers.initialize_variables(created)
+    # Every random-initialized variable (the embedding and the kernels) is
+    # drawn straight into its shards by a twin of its stock initializer; the
+    # rest (norm scales, biases) goes through Keras's deferred initialization.
+    initializers.initialize_variables(created, distribute_all=True)
     return backbone
 
 

@@ -394,7 +394,19 @@ _TWINS: tuple[tuple[type, type], ...] = (
 )
 
 
-def initialize_variables(variables: Any) -> None:
+def _twin_class(initializer: Any) -> type | None:
+    """Our class drawing `initializer`'s values, for exact Keras classes only.
+
+    A user subclass may change `__call__`, so only the Keras classes
+    themselves (and our twins) qualify.
+    """
+    for keras_class, twin_class in _TWINS:
+        if type(initializer) in (keras_class, twin_class):
+            return twin_class
+    return None
+
+
+def initialize_variables(variables: Any, *, distribute_all: bool = False) -> None:
     """Gives pending (deferred) variables their values, each in its layout.
 
     For variables created inside a `keras.StatelessScope` that left them
@@ -407,6 +419,11 @@ def initialize_variables(variables: Any) -> None:
     Args:
         variables: Keras variables; those that already hold a value are
             skipped. Run under the distribution the variables belong to.
+        distribute_all: Also draw every variable whose initializer is a Keras
+            random initializer with a distributed twin through that twin
+            (same seed, same values), so large kernels skip Keras's jitted
+            init and its ~3x temporaries too. The layers keep their stock
+            initializer attributes and configs.
 
     Raises:
         Whatever the initializer raises, with the variable path added as a
@@ -417,6 +434,8 @@ def initialize_variables(variables: Any) -> None:
         if not _compat.is_pending(variable):
             continue
         initializer = _compat.pending_initializer(variable)
+        if distribute_all and _twin_class(initializer) is not None:
+            initializer = distributed_like(initializer, path=variable.path)
         if not isinstance(initializer, _Distributed) or distribution is None:
             _compat.initialize_pending([variable])
             continue
@@ -461,13 +480,13 @@ def distributed_like(
     if isinstance(initializer, _Distributed):
         if path is None or path == initializer.path:
             return initializer
-    for keras_class, twin_class in _TWINS:
-        if type(initializer) is keras_class or type(initializer) is twin_class:
-            # The live seed, not the config's: an unseeded Keras initializer
-            # drew its seed at construction, and passing it on reproduces its
-            # values without drawing another from Python's `random`.
-            config = {**initializer.get_config(), "seed": initializer.seed, "path": path}
-            return twin_class.from_config(config)
+    twin_class = _twin_class(initializer)
+    if twin_class is not None:
+        # The live seed, not the config's: an unseeded Keras initializer drew
+        # its seed at construction, and passing it on reproduces its values
+        # without drawing another from Python's `random`.
+        config = {**initializer.get_config(), "seed": initializer.seed, "path": path}
+        return twin_class.from_config(config)
     raise TypeError(
         "Expected one of the Keras random initializers "
         f"{[k.__name__ for k, _ in _TWINS]}. Received: "

@@ -542,6 +542,7 @@ def load_sharded_preset(
     model_axis: str = "model",
     data_axis: str = "batch",
     task_kwargs: Mapping[str, Any] | None = None,
+    num_threads: int = 2,
 ) -> keras.Model | tuple[keras.Model, LoadReport]:
     """Loads a KerasHub preset directly into its final sharding.
 
@@ -589,6 +590,8 @@ def load_sharded_preset(
         model_axis: Mesh axis name the weights are sharded on.
         data_axis: Mesh axis name of the batch.
         task_kwargs: Extra arguments for the task's `from_preset`.
+        num_threads: Reader threads (blocks of a variable are read
+            concurrently); 1 reads in the calling thread only.
 
     Returns:
         The backbone (or task) model, or `(model, LoadReport)` with
@@ -613,7 +616,7 @@ def load_sharded_preset(
     with sampler:
         model, plan, stats, index, label = _load(
             preset, mesh, layout_map, dtype, task, progress, model_axis, data_axis,
-            dict(task_kwargs or {}),
+            dict(task_kwargs or {}), num_threads,
         )
     wall = time.perf_counter() - start
     if not memory_report:
@@ -656,6 +659,7 @@ def _load(
     model_axis: str,
     data_axis: str,
     task_kwargs: dict[str, Any],
+    num_threads: int,
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, WeightsIndex, str]:
     # Phase 1: resolve and validate; no device memory is used.
     source = _resolve_preset(preset)
@@ -702,7 +706,9 @@ def _load(
             )
 
         bar = ProgressBar(plan.read_bytes, f"Loading {os.path.basename(str(source.label))}", progress)
-        stats = execute_plan(plan, shardings, devices, fill, progress=bar)
+        stats = execute_plan(
+            plan, shardings, devices, fill, progress=bar, num_threads=num_threads
+        )
         with distribution.scope():
             # Variables Keras never saves (e.g. seed generator states) get
             # their normal initial value, as with stock `from_preset`.

@@ -147,7 +147,7 @@ def test_sharded_build_matches_layouts_and_unsharded_outputs(
 
     def recording_call(self, shape, dtype=None, layout=None):
         value = original_call(self, shape, dtype=dtype, layout=layout)
-        created.append((tuple(shape), value))
+        created.append((self.path, tuple(shape), value))
         return value
 
     monkeypatch.setattr(initializers._Distributed, "__call__", recording_call)
@@ -168,13 +168,22 @@ def test_sharded_build_matches_layouts_and_unsharded_outputs(
     emb_axes = tuple(layout_map[embedding.path].axes)
     block = _sharding.shard_shape(embedding.shape, emb_axes, mesh)
     assert block == (128 // mesh_shape[1], 32 // mesh_shape[0])
-    assert len(created) == 1 and created[0][0] == tuple(embedding.shape)
-    born = created[0][1]
+    born_by_path = {path: value for path, _, value in created}
+    assert len(born_by_path) == len(created)  # each variable drawn once
+    born = born_by_path[embedding.path]
     assert born.sharding.is_equivalent_to(
         jax.sharding.NamedSharding(mesh.backend_mesh, _spec(emb_axes, 2)), 2
     )
     assert {tuple(s.data.shape) for s in born.addressable_shards} == {block}
     assert len(born.addressable_shards) == 8
+    # Every kernel with a Keras random initializer was drawn by its twin,
+    # already in the variable's final sharding (no re-layout afterwards).
+    weights = {v.path: v for v in model.weights}
+    kernels = [p for p in weights if p.endswith("kernel")]
+    assert kernels and set(kernels) <= set(born_by_path)
+    for path, value in born_by_path.items():
+        final = weights[path].value
+        assert value.sharding.is_equivalent_to(final.sharding, final.ndim), path
 
     for ours, theirs in zip(model.weights, reference.weights):
         np.testing.assert_allclose(

@@ -349,8 +349,9 @@ def test_initialize_variables_places_shards_without_a_copy(mesh_shape):
     assert [c["name"] for c in sampler.compiled] == ["jit_per_device"] or all(
         "reshard" not in c["name"] for c in sampler.compiled)
     shard = value.addressable_shards[0].data.nbytes
+    scalars = 1024  # the uint32[2] key and loop counters may be live too
     for device, start in sampler.start_per_device.items():
-        assert sampler.live_peak_per_device[device] - start <= shard
+        assert sampler.live_peak_per_device[device] - start <= shard + scalars
         assert sampler.peak_per_device[device] - start <= 2 * shard
 
 

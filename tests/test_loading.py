@@ -404,15 +404,15 @@ def test_indivisible_dimension_suggests_a_mesh(tmp_path, clean_state):
 
 def test_failure_while_reading_leaves_nothing_half_loaded(gemma_preset, monkeypatch, clean_state):
     calls = []
-    real = _load_execute._pread_into
+    real = _load_execute._preadv_full
 
-    def flaky(fd, buffer, offset, stats):
+    def flaky(fd, buffers, offset, stats):
         calls.append(offset)
         if len(calls) == 6:
             raise OSError(5, "Input/output error")
-        return real(fd, buffer, offset, stats)
+        return real(fd, buffers, offset, stats)
 
-    monkeypatch.setattr(_load_execute, "_pread_into", flaky)
+    monkeypatch.setattr(_load_execute, "_preadv_full", flaky)
     with clean_state(), pytest.raises(PresetError, match=r"Loading variable '[^']+' .* failed: OSError"):
         load_sharded_preset(gemma_preset, mesh=(2, 4))
     assert len(calls) == 6
