@@ -3,6 +3,9 @@
 Side by side in one run, each case in a fresh subprocess (so one case's memory
 cannot hide another's), on 8 simulated CPU devices, mesh (1, 8):
 
+Cases named `<x>_mem` run `<x>` again with the memory sampler (a thread that
+costs CPU); the wall-time ratios come from the runs without it.
+
 - `floor`: read the weights file into fresh memory (one sequential read, every
   page touched): the physical floor of any loader. `floor_thp` is the same
   read into the huge-page-backed anonymous memory the loader itself uses (a
@@ -22,9 +25,10 @@ Configs:
   hidden 3072, 16 heads of 256, KerasHub `intermediate_dim=24576` (3.8 GB, the
   configuration the team measured stock at 8.45x / 3.3x / ~7x on).
 - `full7b`: the full `gemma_7b_en` architecture (28 blocks, 8.54 B params) in
-  bfloat16 (17 GB). Stock runs under a host-RSS watchdog (`--stock_cap_gb`)
-  so it cannot take the shared machine down; if it crosses the cap it is
-  stopped and reported as such.
+  bfloat16 (17 GB). Stock runs under a host-RSS cap (`--stock_cap_gb`,
+  default 20 GB for this config), watched from the parent every 5 ms, so it
+  cannot take the shared machine down; if it crosses the cap it is stopped and
+  reported as such.
 
 The preset is a synthetic one (random weights) written by
 `keras_hub_dist.write_synthetic_preset`, streaming, under `--workdir`; it is
@@ -141,29 +145,8 @@ def _case_floor(args, huge_pages: bool) -> dict:
     }
 
 
-def _watchdog(cap_bytes: int, start: float) -> None:
-    from keras_hub_dist import memory
-
-    def run():
-        while True:
-            rss = memory.current_rss_bytes()
-            if rss > cap_bytes:
-                result = {
-                    "killed": True,
-                    "reason": f"host RSS {rss / 1e9:.2f} GB crossed the "
-                    f"{cap_bytes / 1e9:.2f} GB cap",
-                    "rss_at_kill": rss,
-                    "wall_s": time.perf_counter() - start,
-                }
-                sys.stdout.write(RESULT_TAG + json.dumps(result) + "\n")
-                sys.stdout.flush()
-                os._exit(3)
-            time.sleep(0.005)
-
-    threading.Thread(target=run, daemon=True).start()
-
-
-def _case_load(args, which: str) -> dict:
+def _case_load(args, which: str, sample: bool) -> dict:
+    import contextlib
     import gc
 
     import jax
@@ -181,14 +164,18 @@ def _case_load(args, which: str) -> dict:
             layout_map=layout_map, batch_dim_name="batch"
         )
     gc.collect()
-    with memory.MemorySampler(interval_s=0.002) as sampler:
+    # Timing runs have no sampler thread (it costs CPU, which the file-read
+    # floor does not pay); memory runs sample every 2 ms.
+    sampler = memory.MemorySampler(interval_s=0.002) if sample else None
+    memory.reset_host_peak_rss()
+    rss0 = memory.current_rss_bytes()
+    with sampler if sampler is not None else contextlib.nullcontext():
         cpu0 = _cpu_seconds()
         start = time.perf_counter()
-        if which == "stock" and args.stock_cap_gb:
-            _watchdog(int(args.stock_cap_gb * 1e9), start)
         if which == "ours":
             model = keras_hub_dist.load_sharded_preset(
-                args.preset, mesh=mesh, dtype=args.dtype, progress=False
+                args.preset, mesh=mesh, dtype=args.dtype, progress=False,
+                num_threads=args.num_threads,
             )
         else:
             with distribution.scope():
@@ -198,33 +185,36 @@ def _case_load(args, which: str) -> dict:
         _touch_arrays(arrays)
         wall = time.perf_counter() - start
         cpu = _cpu_seconds() - cpu0
-        sampler.sample()
-    specs = sorted({str(a.sharding.spec) for a in arrays})
-    model_bytes = sum(a.nbytes for a in arrays)
-    start_per_device = sampler.start_per_device
-    return {
+        if sampler is not None:
+            sampler.sample()
+    result = {
         "wall_s": wall,
         "cpu_s": cpu,
-        "model_bytes": model_bytes,
-        "peak_per_device": {
-            d: p - start_per_device.get(d, 0) for d, p in sampler.peak_per_device.items()
-        },
-        "final_per_device": {
-            d: f - start_per_device.get(d, 0) for d, f in sampler.final_per_device.items()
-        },
-        "host_rss_start": sampler.host_start_rss,
-        "host_rss_peak": sampler.host_peak_rss,
-        "host_rss_final": sampler.host_final_rss,
-        "compiled_programs": len(sampler.compiled),
-        "specs": specs,
+        "model_bytes": sum(a.nbytes for a in arrays),
+        "host_rss_start": rss0,
+        "host_rss_peak": max(memory.host_peak_rss_bytes(), memory.current_rss_bytes()),
+        "specs": sorted({str(a.sharding.spec) for a in arrays}),
     }
+    if sampler is not None:
+        start_per_device = sampler.start_per_device
+        result.update(
+            peak_per_device={
+                d: p - start_per_device.get(d, 0) for d, p in sampler.peak_per_device.items()
+            },
+            final_per_device={
+                d: f - start_per_device.get(d, 0) for d, f in sampler.final_per_device.items()
+            },
+            compiled_programs=[c["name"] for c in sampler.compiled],
+        )
+    return result
 
 
 def run_case(args) -> None:
     if args.case in ("floor", "floor_thp"):
         result = _case_floor(args, huge_pages=args.case == "floor_thp")
     else:
-        result = _case_load(args, args.case)
+        which = args.case.removesuffix("_mem")
+        result = _case_load(args, which, sample=args.case.endswith("_mem"))
     sys.stdout.write(RESULT_TAG + json.dumps(result) + "\n")
     sys.stdout.flush()
     # Skip interpreter teardown of 8 simulated devices' worth of arrays.
@@ -234,24 +224,71 @@ def run_case(args) -> None:
 # --- orchestration -----------------------------------------------------------
 
 
+def _rss_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _spawn(args, case: str) -> dict:
+    """Runs one case in a fresh process. Stock cases run under a host-RSS
+    cap, watched from here (every 5 ms): a process holding the GIL in a long
+    C call cannot watch itself."""
     command = [
         sys.executable, os.path.abspath(__file__), "--case", case,
         "--preset", args.preset, "--dtype", args.dtype, "--config", args.config,
-        "--stock_cap_gb", str(args.stock_cap_gb),
+        "--num_threads", str(args.num_threads),
     ]
+    cap = int(args.stock_cap_gb * 1e9) if case.startswith("stock") and args.stock_cap_gb else 0
     started = time.perf_counter()
-    proc = subprocess.run(command, env=_env(), capture_output=True, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_TAG)]
+    with subprocess.Popen(
+        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        peak_rss = 0
+        killed = None
+        out: list[str] = []
+        err: list[str] = []
+        readers = [
+            threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True),
+            threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True),
+        ]
+        for r in readers:
+            r.start()
+        while proc.poll() is None:
+            rss = _rss_of(proc.pid)
+            peak_rss = max(peak_rss, rss)
+            if cap and rss > cap and killed is None:
+                proc.kill()
+                killed = {
+                    "killed": True,
+                    "reason": f"stopped by the benchmark at host RSS {rss / 1e9:.2f} GB "
+                    f"(cap {cap / 1e9:.1f} GB) after {time.perf_counter() - started:.1f} s "
+                    "(process start included)",
+                    "rss_at_kill": rss,
+                    "wall_s": time.perf_counter() - started,
+                }
+            time.sleep(0.005)
+        for r in readers:
+            r.join()
+    if killed is not None:
+        killed["stderr_tail"] = "".join(err)[-1000:]
+        return killed
+    lines = [line for line in out if line.startswith(RESULT_TAG)]
     if not lines:
         return {
             "failed": True,
             "returncode": proc.returncode,
-            "stderr_tail": proc.stderr[-2000:],
+            "stderr_tail": "".join(err)[-2000:],
             "wall_s": time.perf_counter() - started,
         }
     result = json.loads(lines[-1][len(RESULT_TAG):])
     result["returncode"] = proc.returncode
+    result["process_peak_rss_polled"] = peak_rss
     return result
 
 
@@ -259,6 +296,9 @@ def _write(args) -> None:
     import keras_hub_dist
 
     config = CONFIGS[args.config]
+    overrides = dict(config["overrides"])
+    if args.num_layers:
+        overrides["num_layers"] = args.num_layers
     if os.path.exists(_weights_path(args.preset)):
         print(f"reusing {args.preset}")
         return
@@ -266,7 +306,7 @@ def _write(args) -> None:
     keras_hub_dist.write_synthetic_preset(
         args.preset, config["architecture"], dtype=config["dtype"],
         overwrite=True, tokenizer=False, progress=sys.stderr.isatty(),
-        **config["overrides"],
+        **overrides,
     )
     size = os.path.getsize(_weights_path(args.preset))
     print(
@@ -292,43 +332,61 @@ def _median(values: list[float]) -> float:
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
+def _ratio(a: float, b: float) -> str:
+    return "-" if b != b or a != a else f"{a / b:.2f}"  # NaN: case not run
+
+
 def _summarize(results: list[tuple[str, dict]]) -> str:
     by_case: dict[str, list[dict]] = {}
     for name, r in results:
         by_case.setdefault(name, []).append(r)
-    ok = {n: [r for r in rs if not (r.get("failed") or r.get("killed"))] for n, rs in by_case.items()}
-    floor = _median([r["wall_s"] for r in ok.get("floor", [])])
-    floor_thp = _median([r["wall_s"] for r in ok.get("floor_thp", [])])
+
+    def good(name):
+        return [r for r in by_case.get(name, []) if not (r.get("failed") or r.get("killed"))]
+
+    floor = _median([r["wall_s"] for r in good("floor")])
+    floor_thp = _median([r["wall_s"] for r in good("floor_thp")])
     rows = [
-        "| case | runs | wall s (median; all) | CPU s (median) | wall / file read "
+        "| case | wall s (median of timing runs; all) | CPU s (median) | wall / file read "
         "| wall / file read (huge pages) | per-device peak / final (max) "
-        "| host RSS growth / model bytes | notes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| host RSS growth / model bytes (max) | notes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, runs in by_case.items():
-        good = ok[name]
-        walls = "; ".join(f"{r['wall_s']:.2f}" for r in runs)
-        if not good:
-            r = runs[-1]
+    names = [n for n in dict.fromkeys(name.removesuffix("_mem") for name, _ in results)]
+    for name in names:
+        timing, mem = good(name), good(name + "_mem")
+        runs = by_case.get(name, []) + by_case.get(name + "_mem", [])
+        walls = "; ".join(f"{r['wall_s']:.2f}" for r in by_case.get(name, []))
+        stopped = [r for r in runs if r.get("failed") or r.get("killed")]
+        if not timing and not mem:
+            r = stopped[-1]
             note = r.get("reason") or f"exit {r.get('returncode')}: {r.get('stderr_tail', '')[-300:]!r}"
-            rows.append(f"| {name} | {len(runs)} | stopped ({walls}) | - | - | - | - | - | {note} |")
-            continue
-        wall = _median([r["wall_s"] for r in good])
-        cpu = _median([r["cpu_s"] for r in good])
-        if name.startswith("floor"):
-            growth = _median([(r["host_rss_peak"] - r["host_rss_start"]) / r["file_bytes"] for r in good])
-            label = "read file, plain memory" if name == "floor" else "read file, huge pages"
             rows.append(
-                f"| {name} ({label}) | {len(runs)} | {wall:.2f} ({walls}) | {cpu:.2f} | {wall / floor:.2f} "
-                f"| {wall / floor_thp:.2f} | - | {growth:.2f} | {good[0]['file_bytes'] / 1e9:.2f} GB file |"
+                f"| {name} | stopped after {r['wall_s']:.1f} s | - | - | - | - | - | {note} |"
             )
             continue
-        peak = max(_max_ratio(r) for r in good)
-        growth = max((r["host_rss_peak"] - r["host_rss_start"]) / r["model_bytes"] for r in good)
+        timed = timing or mem
+        wall = _median([r["wall_s"] for r in timed])
+        cpu = _median([r["cpu_s"] for r in timed])
+        if name.startswith("floor"):
+            growth = max((r["host_rss_peak"] - r["host_rss_start"]) / r["file_bytes"] for r in timed)
+            label = "read file, plain memory" if name == "floor" else "read file, huge pages"
+            rows.append(
+                f"| {name} ({label}) | {wall:.2f} ({walls}) | {cpu:.2f} | {_ratio(wall, floor)} "
+                f"| {_ratio(wall, floor_thp)} | - | {growth:.2f} | {timed[0]['file_bytes'] / 1e9:.2f} GB file |"
+            )
+            continue
+        peak = max((_max_ratio(r) for r in mem), default=float("nan"))
+        growth = max((r["host_rss_peak"] - r["host_rss_start"]) / r["model_bytes"] for r in timed + mem)
+        programs = mem[0]["compiled_programs"] if mem else []
+        note = f"{timed[0]['model_bytes'] / 1e9:.2f} GB model; {len(programs)} XLA programs compiled"
+        if not timing:
+            note += "; timed with the memory sampler on"
+        if stopped:
+            note += f"; {len(stopped)} run(s) stopped: {stopped[-1].get('reason', '')}"
         rows.append(
-            f"| {name} | {len(runs)} | {wall:.2f} ({walls}) | {cpu:.2f} | {wall / floor:.2f} | {wall / floor_thp:.2f} "
-            f"| {peak:.2f} | {growth:.2f} | {good[0]['model_bytes'] / 1e9:.2f} GB model, "
-            f"{good[0]['compiled_programs']} XLA programs compiled |"
+            f"| {name} | {wall:.2f} ({walls or 'mem run'}) | {cpu:.2f} | {_ratio(wall, floor)} "
+            f"| {_ratio(wall, floor_thp)} | {peak:.2f} | {growth:.2f} | {note} |"
         )
     return "\n".join(rows)
 
@@ -339,11 +397,18 @@ def main() -> None:
     parser.add_argument("--workdir", default="/work/bench_tmp")
     parser.add_argument(
         "--cases",
-        default="floor,floor_thp,ours,floor,floor_thp,ours,floor,floor_thp,ours,stock",
+        default=(
+            "floor,floor_thp,ours,floor,floor_thp,ours,floor,floor_thp,ours,"
+            "ours_mem,stock,stock_mem"
+        ),
         help="cases in run order (interleaved repeats; medians are reported)",
     )
     parser.add_argument("--stock_cap_gb", type=float, default=0.0,
                         help="stop stock when its host RSS crosses this (0: no cap)")
+    parser.add_argument("--num_threads", type=int, default=2, help="reader threads of ours")
+    parser.add_argument("--num_layers", type=int, default=0,
+                        help="override the config's decoder blocks (e.g. to project stock's "
+                        "memory to the full depth from shallower runs)")
     parser.add_argument("--write_only", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the preset")
     parser.add_argument("--json", default=None, help="also write results here")
@@ -358,9 +423,12 @@ def main() -> None:
 
     config = CONFIGS[args.config]
     args.dtype = config["dtype"]
-    args.preset = os.path.join(args.workdir, f"bench_load_{args.config}")
-    if args.config == "full7b" and not args.stock_cap_gb:
-        args.stock_cap_gb = 20.0
+    suffix = f"_L{args.num_layers}" if args.num_layers else ""
+    args.preset = os.path.join(args.workdir, f"bench_load_{args.config}{suffix}")
+    if args.config == "full7b":
+        args.stock_cap_gb = args.stock_cap_gb or 20.0
+        if args.cases == parser.get_default("cases"):
+            args.cases = "floor_thp,ours,floor_thp,ours_mem,stock_mem"
     os.makedirs(args.workdir, exist_ok=True)
     os.environ.update(_env())
     try:
@@ -370,7 +438,10 @@ def main() -> None:
         # One unmeasured read so every case starts with the same page cache,
         # and one unmeasured case: the first large allocation after a write
         # pays for the kernel reclaiming memory, which no case should.
-        subprocess.run(["cat", _weights_path(args.preset)], stdout=subprocess.DEVNULL, check=True)
+        with open("/proc/meminfo") as f:
+            total_ram = int(f.readline().split()[1]) * 1024
+        if os.path.getsize(_weights_path(args.preset)) < total_ram // 4:
+            subprocess.run(["cat", _weights_path(args.preset)], stdout=subprocess.DEVNULL, check=True)
         print(f"warm-up: {json.dumps(_spawn(args, 'floor_thp'))[:120]}", flush=True)
         results = []
         for case in args.cases.split(","):
@@ -380,7 +451,7 @@ def main() -> None:
             print(f"{case}: {json.dumps(brief)}", flush=True)
         print()
         print(
-            f"bench_load --config {args.config}: {time.strftime('%Y-%m-%d %H:%M')}, "
+            f"bench_load --config {args.config}{suffix}: {time.strftime('%Y-%m-%d %H:%M')}, "
             f"{os.cpu_count()} cores, 8 simulated CPU devices, mesh (1, 8), "
             f"dtype {args.dtype}"
         )

@@ -231,6 +231,43 @@ def _dataset_info(path: str, name: str, ds: h5py.Dataset, file_size: int) -> Dat
     return DatasetInfo(path, name, shape, dtype, None if offset is None else int(offset), nbytes)
 
 
+def _index_file(path: str, h5: h5py.File, found: dict[str, DatasetInfo]) -> None:
+    file_size = os.path.getsize(path)
+    problems: list[PresetError] = []
+
+    def visit(name: str, link: Any) -> None:
+        # An exception must not cross h5py's C callback: collect, raise after.
+        if not isinstance(link, h5py.HardLink):
+            problems.append(
+                PresetError(
+                    f"The weights file {path!r} contains a {type(link).__name__} "
+                    f"at {name!r}. Expected plain groups and datasets (Keras "
+                    "refuses links too)."
+                )
+            )
+            return
+        obj = h5[name]
+        if not isinstance(obj, h5py.Dataset):
+            return
+        if name in found:
+            problems.append(
+                PresetError(
+                    f"Dataset {name!r} is in two weights shards: "
+                    f"{found[name].file!r} and {path!r}. Expected each dataset "
+                    "in exactly one shard."
+                )
+            )
+            return
+        try:
+            found[name] = _dataset_info(path, name, obj, file_size)
+        except PresetError as e:
+            problems.append(e)
+
+    h5.visititems_links(visit)
+    if problems:
+        raise problems[0]
+
+
 def read_datasets(files: Sequence[str]) -> dict[str, DatasetInfo]:
     """Metadata of every dataset in the weights files, keyed by dataset path.
 
@@ -243,7 +280,6 @@ def read_datasets(files: Sequence[str]) -> dict[str, DatasetInfo]:
     """
     found: dict[str, DatasetInfo] = {}
     for path in files:
-        file_size = os.path.getsize(path)
         try:
             h5 = h5py.File(path, "r")
         except OSError as e:
@@ -251,44 +287,11 @@ def read_datasets(files: Sequence[str]) -> dict[str, DatasetInfo]:
             raise PresetError(
                 f"The weights file {path!r} is {reason}. Expected the "
                 f"complete `.weights.h5` written by Keras. Received: a file of "
-                f"{file_size} bytes that h5py cannot open ({e}). Download or "
-                "save the preset again."
+                f"{os.path.getsize(path)} bytes that h5py cannot open ({e}). "
+                "Download or save the preset again."
             ) from e
         with h5:
-            problems: list[PresetError] = []
-
-            def visit(name: str, link: Any) -> None:
-                if not isinstance(link, h5py.HardLink):
-                    problems.append(
-                        PresetError(
-                            f"The weights file {path!r} contains a "
-                            f"{type(link).__name__} at {name!r}. Expected "
-                            "plain groups and datasets (Keras refuses links "
-                            "too)."
-                        )
-                    )
-                    return
-                obj = h5[name]
-                if not isinstance(obj, h5py.Dataset):
-                    return
-                if name in found:
-                    problems.append(
-                        PresetError(
-                            f"Dataset {name!r} is in two weights shards: "
-                            f"{found[name].file!r} and {path!r}. Expected "
-                            "each dataset in exactly one shard."
-                        )
-                    )
-                    return
-                try:
-                    found[name] = _dataset_info(path, name, obj, file_size)
-                except PresetError as e:
-                    # An exception must not cross h5py's C callback.
-                    problems.append(e)
-
-            h5.visititems_links(visit)
-            if problems:
-                raise problems[0]
+            _index_file(path, h5, found)
     return found
 
 
@@ -306,7 +309,7 @@ class _RecordingStore(_compat.H5IOStore):
     def __bool__(self) -> bool:
         return True
 
-    def make(self, path: str, metadata: Mapping[str, Any] | None = None) -> "_RecordingStore":
+    def make(self, path: str, metadata: Mapping[str, Any] | None = None) -> _RecordingStore:
         self._inner_path = path
         return self
 
@@ -389,6 +392,15 @@ def build_index(model: keras.Model, weights_path: str) -> WeightsIndex:
         problems.append(
             f"{len(extra)} dataset(s) in the file match no variable of "
             f"{type(model).__name__}:" + _listing(extra)
+        )
+    paths: dict[str, int] = {}
+    for v in model.weights:
+        paths[v.path] = paths.get(v.path, 0) + 1
+    duplicated = [p for p, n in paths.items() if n > 1]
+    if duplicated:
+        problems.append(
+            f"{len(duplicated)} variable path(s) are used by more than one "
+            "variable, so no layout map can address them:" + _listing(duplicated)
         )
     unsaved = [v.path for v in model.weights if id(v) not in by_variable]
     if unsaved:

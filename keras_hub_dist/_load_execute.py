@@ -308,7 +308,7 @@ def _read_scatter(files: _Files, var: VariablePlan, stats: ExecuteStats) -> Iter
                 del views[b]
                 yield var.blocks[b], _cast(hosts.pop(b), var.target_dtype)
         i = j
-    for b, block in enumerate(var.blocks):  # Blocks of zero bytes.
+    for block in var.blocks:  # Blocks of zero bytes.
         if not block.runs.num_runs:
             yield block, aligned_empty(block.shape, var.target_dtype)
 

@@ -45,8 +45,7 @@ import json
 import math
 import os
 import time
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -142,7 +141,8 @@ class LoadReport:
 @dataclasses.dataclass(frozen=True)
 class _Source:
     ref: str  # what KerasHub's preset loader gets (local dir or handle)
-    label: str
+    label: str  # for messages
+    short: str  # for the progress bar
 
 
 def _resolve_preset(preset: Any) -> _Source:
@@ -155,7 +155,7 @@ def _resolve_preset(preset: Any) -> _Source:
             f"Received: preset={preset!r}."
         )
     if os.path.isdir(preset):
-        return _Source(preset, preset)
+        return _Source(preset, preset, os.path.basename(os.path.normpath(preset)))
     if "://" not in preset:
         try:
             from keras_hub_dist import presets
@@ -167,8 +167,8 @@ def _resolve_preset(preset: Any) -> _Source:
             except ValueError:
                 entry = None
             if entry is not None:
-                return _Source(entry.handle, f"{preset} ({entry.handle})")
-    return _Source(preset, preset)
+                return _Source(entry.handle, f"{preset} ({entry.handle})", entry.name)
+    return _Source(preset, preset, preset.rstrip("/").split("/")[-1])
 
 
 def _load_config(source: _Source) -> dict[str, Any]:
@@ -705,7 +705,7 @@ def _load(
                 variables[var_plan.path], array, layouts[var_plan.path]
             )
 
-        bar = ProgressBar(plan.read_bytes, f"Loading {os.path.basename(str(source.label))}", progress)
+        bar = ProgressBar(plan.read_bytes, f"Loading {source.short}", progress)
         stats = execute_plan(
             plan, shardings, devices, fill, progress=bar, num_threads=num_threads
         )
