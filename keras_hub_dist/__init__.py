@@ -22,6 +22,22 @@ from keras_hub_dist._compat import require_jax_backend as _require_jax_backend  
 _require_jax_backend()
 
 from keras_hub_dist import initializers  # noqa: E402
+from keras_hub_dist import memory  # noqa: E402
+from keras_hub_dist import presets  # noqa: E402
+from keras_hub_dist import registry  # noqa: E402
+from keras_hub_dist.abstract import abstract_backbone  # noqa: E402
+from keras_hub_dist.backbones import gemma3_backbone  # noqa: E402
+from keras_hub_dist.backbones import gemma_backbone  # noqa: E402
+from keras_hub_dist.backbones import llama_backbone  # noqa: E402
+from keras_hub_dist.backbones import mistral_backbone  # noqa: E402
+from keras_hub_dist.backbones import qwen3_backbone  # noqa: E402
+from keras_hub_dist.backbones import qwen_backbone  # noqa: E402
+from keras_hub_dist.errors import KerasHubDistWarning  # noqa: E402
+from keras_hub_dist.errors import LayoutError  # noqa: E402
+from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
+from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
+from keras_hub_dist.errors import PresetError  # noqa: E402
+from keras_hub_dist.errors import UnknownPresetError  # noqa: E402
 from keras_hub_dist.initializers import DistributedGlorotNormal  # noqa: E402
 from keras_hub_dist.initializers import DistributedGlorotUniform  # noqa: E402
 from keras_hub_dist.initializers import DistributedHeNormal  # noqa: E402
@@ -32,25 +48,13 @@ from keras_hub_dist.initializers import DistributedRandomNormal  # noqa: E402
 from keras_hub_dist.initializers import DistributedRandomUniform  # noqa: E402
 from keras_hub_dist.initializers import DistributedTruncatedNormal  # noqa: E402
 from keras_hub_dist.initializers import DistributedVarianceScaling  # noqa: E402
-from keras_hub_dist import registry  # noqa: E402
-from keras_hub_dist import presets  # noqa: E402
-from keras_hub_dist.abstract import abstract_backbone  # noqa: E402
-from keras_hub_dist.backbones import (  # noqa: E402
-    gemma3_backbone, gemma_backbone, llama_backbone, mistral_backbone,
-    qwen3_backbone, qwen_backbone,
-)
-from keras_hub_dist.errors import UnknownPresetError  # noqa: E402
 from keras_hub_dist.layouts import get_layout_map  # noqa: E402
-from keras_hub_dist.planning import LayoutPlan, plan_layout  # noqa: E402
-from keras_hub_dist.errors import KerasHubDistWarning  # noqa: E402
-from keras_hub_dist.errors import LayoutError  # noqa: E402
-from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
-from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
-from keras_hub_dist.errors import PresetError  # noqa: E402
+from keras_hub_dist.loading import LoadReport  # noqa: E402
 from keras_hub_dist.loading import load_sharded_preset  # noqa: E402
-from keras_hub_dist.synthetic import write_synthetic_preset  # noqa: E402
-from keras_hub_dist import memory  # noqa: E402
 from keras_hub_dist.memory import MemorySampler  # noqa: E402
+from keras_hub_dist.planning import LayoutPlan  # noqa: E402
+from keras_hub_dist.planning import plan_layout  # noqa: E402
+from keras_hub_dist.synthetic import write_synthetic_preset  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -69,6 +73,8 @@ __all__ = [
     "LayoutError",
     "LayoutFallbackWarning",
     "LayoutPlan",
+    "LoadReport",
+    "MemorySampler",
     "MissingLayoutWarning",
     "PresetError",
     "UnknownPresetError",
@@ -76,16 +82,15 @@ __all__ = [
     "gemma3_backbone",
     "gemma_backbone",
     "get_layout_map",
+    "initializers",
     "llama_backbone",
+    "load_sharded_preset",
+    "memory",
     "mistral_backbone",
     "plan_layout",
     "presets",
     "qwen3_backbone",
     "qwen_backbone",
-    "initializers",
     "registry",
-    "load_sharded_preset",
     "write_synthetic_preset",
-    "memory",
-    "MemorySampler",
 ]

@@ -17,31 +17,29 @@ import jax
 import keras
 
 __all__ = [
-    "JAX_VERSION",
-    "KERAS_VERSION",
     "compute_fans",
     "context_mesh",
     "creating_variables_without_values",
+    "deferred_variables",
+    "distribution_layout_map",
+    "draw_seed",
+    "forget_deferred_variables",
+    "H5IOStore",
     "in_stateless_scope",
     "initialize_pending",
     "is_pending",
-    "pending_initializer",
-    "set_pending_initializer",
-    "distribution_layout_map",
-    "draw_seed",
-    "require_jax_backend",
-    "watch_compilations",
-    "watch_executions",
-    "H5IOStore",
-    "forget_deferred_variables",
+    "JAX_VERSION",
+    "KERAS_VERSION",
     "materialize_deferred_variable",
-    "deferred_variables",
-    "initialize_deferred_variable",
-    "is_deferred",
-    "variable_array",
+    "pending_initializer",
     "preset_file",
     "preset_has_file",
+    "require_jax_backend",
+    "set_pending_initializer",
+    "variable_array",
     "walk_saved_variables",
+    "watch_compilations",
+    "watch_executions",
 ]
 
 
@@ -63,11 +61,6 @@ from keras.src.random.seed_generator import draw_seed  # noqa: E402
 
 # Fan computation of `VarianceScaling`; private but stable since Keras 3.0.
 from keras.src.initializers.random_initializers import compute_fans  # noqa: E402
-
-# Keras >= 3.12 passes `layout=` to initializers whose `__call__` accepts it
-# (see `JaxVariable._initialize_with_initializer`). Older versions do not, and
-# the initializers fall back to the registry lookup.
-KERAS_PASSES_LAYOUT_TO_INITIALIZERS = KERAS_VERSION >= (3, 12, 0)
 
 # The concrete mesh installed by `jax.set_mesh`: `jax.sharding.get_mesh` from
 # JAX 0.7 on; earlier versions kept it private.
@@ -330,7 +323,6 @@ def initialize_pending(variables: Iterator[Any] | list) -> None:
 # the model's attributes (layer paths + "vars/<i>"), not after variable paths.
 # Replaying that exact walk with our own store is the only mapping that stays
 # right for every layer that overrides `save_own_variables`.
-from keras.src.backend.common import global_state as _global_state  # noqa: E402
 from keras.src.saving import saving_lib as _saving_lib  # noqa: E402
 
 H5IOStore = _saving_lib.H5IOStore
@@ -360,26 +352,16 @@ def forget_deferred_variables(variables: Any) -> None:
     random-initialize them (or fail on ones we already filled).
     """
     ids = {id(v) for v in variables}
-    pending = _global_state.get_global_attribute("uninitialized_variables", None)
+    pending = _keras_global_state.get_global_attribute(_UNINITIALIZED_VARIABLES, None)
     if pending:
-        _global_state.set_global_attribute(
-            "uninitialized_variables", [v for v in pending if id(v) not in ids]
+        _keras_global_state.set_global_attribute(
+            _UNINITIALIZED_VARIABLES, [v for v in pending if id(v) not in ids]
         )
 
 
 def deferred_variables() -> list[Any]:
     """The variables Keras currently holds as deferred (a copy of its list)."""
-    return list(_global_state.get_global_attribute("uninitialized_variables", None) or ())
-
-
-def is_deferred(variable: Any) -> bool:
-    """Whether a variable was created in a stateless scope and has no value."""
-    return getattr(variable, "_value", None) is None
-
-
-def initialize_deferred_variable(variable: Any) -> None:
-    """Runs a deferred variable's own initializer (as Keras would on scope exit)."""
-    variable._deferred_initialize()
+    return list(_keras_global_state.get_global_attribute(_UNINITIALIZED_VARIABLES, None) or ())
 
 
 def variable_array(variable: Any) -> Any:

@@ -40,6 +40,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from keras_hub_dist import _sharding
 from keras_hub_dist._h5_index import DatasetInfo
 
 __all__ = [
@@ -130,13 +131,6 @@ class ByteRuns:
             yield self.offset + sum(i * s for i, s in zip(k, self.strides)), self.run_bytes
 
 
-def _entry_axes(entry: AxisEntry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    if isinstance(entry, str):
-        return (entry,)
-    return tuple(entry)
-
 
 def block_indices(
     shape: Sequence[int], spec: Sequence[AxisEntry], mesh: Any
@@ -156,7 +150,7 @@ def block_indices(
     for coords in np.ndindex(*grid.shape):
         index = []
         for dim, entry in zip(shape, spec):
-            axes = _entry_axes(entry)
+            axes = _sharding.entry_axes(entry)
             parts = math.prod(sizes[a] for a in axes)
             k = 0
             for a in axes:

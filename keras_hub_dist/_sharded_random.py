@@ -28,6 +28,8 @@ from jax import lax
 from jax.extend import random as jax_random_ext
 from jax.sharding import NamedSharding, PartitionSpec
 
+from keras_hub_dist import _sharding
+
 __all__ = [
     "BlockSampler",
     "chunk_plan",
@@ -140,11 +142,6 @@ def chunk_plan(block_shape: Sequence[int], itemsize: int = 4) -> tuple[int, int]
     return len(block_shape) - 1, 1
 
 
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
 
 def _block_starts(
     spec: PartitionSpec, block_shape: tuple[int, ...]
@@ -152,7 +149,7 @@ def _block_starts(
     """Global start of this device's block, per dimension (inside shard_map)."""
     starts = []
     for dim, size in enumerate(block_shape):
-        axes = _entry_axes(spec[dim] if dim < len(spec) else None)
+        axes = _sharding.entry_axes(spec[dim] if dim < len(spec) else None)
         if axes:
             index = lax.axis_index(axes if len(axes) > 1 else axes[0])
             starts.append(index.astype(jnp.uint32) * np.uint32(size))
@@ -228,7 +225,7 @@ def sharded_sampler(
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     spec = PartitionSpec(*(tuple(spec) + (None,) * (len(full_shape) - len(spec))))
     block_shape = tuple(
-        d // math.prod(sizes[a] for a in _entry_axes(e))
+        d // math.prod(sizes[a] for a in _sharding.entry_axes(e))
         for d, e in zip(full_shape, spec)
     )
 

@@ -18,8 +18,9 @@ from keras_hub_dist import _compat
 from keras_hub_dist.errors import LayoutError
 
 __all__ = [
-    "axis_sizes",
     "as_partition_spec",
+    "axis_sizes",
+    "entry_axes",
     "jax_mesh",
     "lookup_layout",
     "shard_shape",
@@ -57,7 +58,8 @@ def as_partition_spec(axes: Sequence[AxisEntry] | PartitionSpec) -> PartitionSpe
     return PartitionSpec(*axes)
 
 
-def _entry_axes(entry: AxisEntry) -> tuple[str, ...]:
+def entry_axes(entry: AxisEntry) -> tuple[str, ...]:
+    """The mesh axis names of one spec entry (`None`, a name or a tuple)."""
     if entry is None:
         return ()
     if isinstance(entry, str):
@@ -104,7 +106,7 @@ def validate_spec(
         )
     seen: set[str] = set()
     for dim, entry in enumerate(spec):
-        names = _entry_axes(entry)
+        names = entry_axes(entry)
         for name in names:
             if name not in sizes:
                 raise LayoutError(
@@ -144,7 +146,7 @@ def shard_shape(
     sizes = axis_sizes(mesh)
     spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
     return tuple(
-        int(d) // math.prod(sizes[name] for name in _entry_axes(entry))
+        int(d) // math.prod(sizes[name] for name in entry_axes(entry))
         for d, entry in zip(shape, spec)
     )
 

@@ -5,7 +5,8 @@ reads each tensor whole into host memory, puts it whole on device 0 and only
 then re-shards it. `load_sharded_preset` instead:
 
 1. builds the backbone from the preset's `config.json` with every variable
-   deferred (inside `keras.StatelessScope`): no weight is generated;
+   created without a value (`_compat.creating_variables_without_values`):
+   no weight is generated;
 2. indexes `model.weights.h5` (which dataset holds which variable, at which
    byte offset) and validates everything (missing/extra variables, shapes,
    dtypes, truncation, mesh axis names, divisibility) before any device
@@ -52,7 +53,7 @@ import jax
 import keras
 import numpy as np
 
-from keras_hub_dist import _compat, _sharding
+from keras_hub_dist import _compat, _sharding, layouts, planning, registry
 from keras_hub_dist._h5_index import WeightsIndex, build_index
 from keras_hub_dist._load_execute import ExecuteStats, ProgressBar, execute_plan
 from keras_hub_dist._load_plan import LoadPlan, VariableRequest, plan_load
@@ -291,10 +292,6 @@ def _has_layout_source(backbone_cls: type) -> bool:
     """Whether a default layout map exists for this backbone class."""
     if callable(getattr(backbone_cls, "get_layout_map", None)):
         return True  # KerasHub's own map.
-    try:
-        from keras_hub_dist import layouts, registry
-    except ImportError:  # pragma: no cover - issue 3 not installed
-        return False
     return registry.family_of(backbone_cls) in layouts.supported_families()
 
 
@@ -316,22 +313,18 @@ def _default_layout_map(
             f"({data_axis!r}, {model_axis!r}), or pass model_axis=... and "
             "data_axis=... naming your axes."
         )
-    try:
-        from keras_hub_dist import layouts
-    except ImportError:
-        layouts = None
-    if layouts is not None:
+    if _has_layout_source(type(backbone)):
         return layouts.get_layout_map(
             backbone,
             device_mesh,
             model_parallel_dim_name=model_axis,
             data_parallel_dim_name=data_axis,
         )
-    return type(backbone).get_layout_map(
-        device_mesh,
-        model_parallel_dim_name=model_axis,
-        data_parallel_dim_name=data_axis,
-    )
+    # No hand-written map for this family: derive one from the model's
+    # structure (the backbone is built without values, so this is cheap).
+    return planning.plan_layout(
+        backbone, device_mesh, model_axis=model_axis, data_axis=data_axis
+    ).layout_map
 
 
 def _user_layout_map(layout_map: Any, device_mesh: keras.distribution.DeviceMesh) -> keras.distribution.LayoutMap:
@@ -516,17 +509,12 @@ def _build_task(
 def _build_abstract(
     config: Mapping[str, Any], dtype: Any
 ) -> tuple[keras.Model, list[Any]]:
-    before = {id(v) for v in _compat.deferred_variables()}
     # Exactly what `Backbone.from_preset(preset, dtype=dtype)` does: the
     # argument (None included, i.e. Keras's global dtype policy) replaces the
     # saved policy.
     config = {**config, "config": {**config["config"], "dtype": dtype}}
-    try:
-        with keras.StatelessScope(initialize_variables=False):
-            backbone = keras.saving.deserialize_keras_object(config)
-    finally:
-        created = [v for v in _compat.deferred_variables() if id(v) not in before]
-        _compat.forget_deferred_variables(created)
+    with _compat.creating_variables_without_values() as created:
+        backbone = keras.saving.deserialize_keras_object(config)
     return backbone, created
 
 
@@ -665,13 +653,6 @@ def _load(
     source = _resolve_preset(preset)
     config = _load_config(source)
     backbone_cls = _backbone_class(config, source.label)
-    if layout_map is None and not _has_layout_source(backbone_cls):
-        raise PresetError(
-            f"Unsupported architecture {backbone_cls.__name__} in preset "
-            f"{source.label!r}: there is no layout map for it. Expected a "
-            "family with a layout map (Gemma, Llama, Qwen, ...). Received: "
-            f"{config.get('registered_name')!r}. Pass layout_map=... to shard it."
-        )
     metadata = _load_metadata(source)
     task_cls = _task_class(task, backbone_cls, metadata, source.label) if task else None
     weights_path = _weights_path(source)
@@ -714,8 +695,8 @@ def _load(
             # their normal initial value, as with stock `from_preset`.
             loaded = {id(v) for v in variables.values()}
             for v in deferred:
-                if id(v) not in loaded and _compat.is_deferred(v):
-                    _compat.initialize_deferred_variable(v)
+                if id(v) not in loaded:
+                    _compat.initialize_pending([v])
             model = backbone
             if task_cls is not None:
                 model = _build_task(task_cls, source, backbone, task_kwargs)

@@ -323,14 +323,8 @@ def write_synthetic_preset(
         overrides = {**overrides, "dtype": dtype}
     config = _serialized_config(architecture, overrides)
 
-    before = {id(v) for v in _compat.deferred_variables()}
-    try:
-        with keras.StatelessScope(initialize_variables=False):
-            backbone = keras.saving.deserialize_keras_object(config)
-    finally:
-        _compat.forget_deferred_variables(
-            [v for v in _compat.deferred_variables() if id(v) not in before]
-        )
+    with _compat.creating_variables_without_values():
+        backbone = keras.saving.deserialize_keras_object(config)
 
     os.makedirs(preset_dir)
     try:

@@ -383,19 +383,26 @@ def test_unsupported_architecture(gemma_preset, tmp_path, clean_state):
     with clean_state(), pytest.raises(PresetError, match="Transformers config.json"):
         load_sharded_preset(str(hf))
 
-    # A registered backbone with no layout map (an encoder, not an LLM).
-    os.makedirs(tmp_path / "bert")
-    (tmp_path / "bert" / "config.json").write_text(json.dumps({
-        "module": "keras_hub.src.models.bert.bert_backbone",
-        "class_name": "BertBackbone",
-        "config": {
-            "vocabulary_size": 64, "num_layers": 1, "num_heads": 2, "hidden_dim": 16,
-            "intermediate_dim": 32, "max_sequence_length": 16,
-        },
-        "registered_name": "keras_hub>BertBackbone",
-    }))
-    with clean_state(), pytest.raises(PresetError, match="Unsupported architecture BertBackbone.*no layout map"):
-        load_sharded_preset(str(tmp_path / "bert"))
+
+
+def test_family_without_a_layout_map_is_planned(tmp_path):
+    """A registered backbone with no hand-written map loads with plan_layout."""
+    keras.utils.set_random_seed(1)
+    stock = keras_hub.models.BertBackbone(
+        vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16,
+    )
+    stock.save_to_preset(str(tmp_path / "bert"))
+    inputs = {"token_ids": np.arange(16).reshape(2, 8) % 64,
+              "segment_ids": np.zeros((2, 8), "int32"),
+              "padding_mask": np.ones((2, 8), "int32")}
+    expected = stock(inputs)["sequence_output"]
+    with pytest.warns(keras_hub_dist.LayoutFallbackWarning, match="plan_layout"):
+        model = load_sharded_preset(str(tmp_path / "bert"), mesh=(1, 8), progress=False)
+    table = model.get_layer("token_embedding").embeddings.value
+    assert table.sharding.spec[0] == "model"  # planned: vocabulary split
+    np.testing.assert_allclose(model(inputs)["sequence_output"], expected,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_mesh_axis_names_the_map_does_not_use(gemma_preset, clean_state):
