@@ -116,7 +116,7 @@ def block_prng_impl(full_shape: tuple[int, ...]) -> Any:
     )
 
 
-def chunk_plan(block_shape: Sequence[int], itemsize: int = 4) -> tuple[int, int]:
+def chunk_plan(block_shape: Sequence[int]) -> tuple[int, int]:
     """Chooses `(dim, rows)`: draw `rows` entries of `dim` at a time.
 
     Every dimension before `dim` is walked one index at a time, so each chunk
@@ -124,7 +124,6 @@ def chunk_plan(block_shape: Sequence[int], itemsize: int = 4) -> tuple[int, int]
     than 128K elements unless the shard is). `rows` divides `block_shape[dim]`,
     so every chunk has one static shape.
     """
-    del itemsize  # Temporaries scale with elements; kept for callers' clarity.
     block_shape = tuple(int(d) for d in block_shape)
     if not block_shape:
         return 0, 1

@@ -143,6 +143,24 @@ class ValidateOptions:
     preset_cache: str | None = None
     python: str = sys.executable
 
+    @classmethod
+    def from_flags(
+        cls, *, mesh: str | None, phases: str, override: list[str] | None,
+        **values: Any,
+    ) -> "ValidateOptions":
+        """Options from command-line strings (`--mesh 1x8`, `--phases init,load`,
+        repeated `--override KEY=VALUE`); the other flags pass through as is.
+
+        Raises:
+            ValueError: a malformed mesh, phase list or override.
+        """
+        return cls(
+            mesh=parse_mesh(mesh),
+            phases=tuple(p.strip() for p in str(phases).split(",") if p.strip()),
+            overrides=parse_overrides(override or []),
+            **values,
+        )
+
     def __post_init__(self) -> None:
         phases = tuple(self.phases)
         bad = [p for p in phases if p not in PHASES]

@@ -132,13 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> _validate.ValidateOptions:
     """`ValidateOptions` from parsed flags (raises `ValueError` on bad values)."""
-    return _validate.ValidateOptions(
+    return _validate.ValidateOptions.from_flags(
         preset=args.preset,
-        mesh=_validate.parse_mesh(args.mesh),
+        mesh=args.mesh,
         dtype=args.dtype,
-        phases=tuple(p.strip() for p in str(args.phases).split(",") if p.strip()),
+        phases=args.phases,
         num_layers=args.num_layers,
-        overrides=_validate.parse_overrides(args.override),
+        override=args.override,
         baseline=args.baseline,
         hbm_gb=args.hbm_gb,
         devices=args.devices,

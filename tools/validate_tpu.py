@@ -56,13 +56,13 @@ def main(argv: list[str]) -> int:
     from keras_hub_dist import cli
 
     try:
-        options = _validate.ValidateOptions(
+        options = _validate.ValidateOptions.from_flags(
             preset=_PRESET.value,
-            mesh=_validate.parse_mesh(_MESH.value),
+            mesh=_MESH.value,
             dtype=_DTYPE.value,
-            phases=tuple(p.strip() for p in _PHASES.value.split(",") if p.strip()),
+            phases=_PHASES.value,
             num_layers=_NUM_LAYERS.value,
-            overrides=_validate.parse_overrides(_OVERRIDE.value),
+            override=_OVERRIDE.value,
             baseline=_BASELINE.value,
             hbm_gb=_HBM_GB.value,
             devices=_DEVICES.value,
