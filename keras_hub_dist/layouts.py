@@ -194,12 +194,7 @@ class ReportingLayoutMap(keras.distribution.LayoutMap):
 
 
 def _names_of(axes: Sequence[Any]) -> list[str]:
-    names: list[str] = []
-    for entry in axes:
-        if entry is None:
-            continue
-        names.extend((entry,) if isinstance(entry, str) else tuple(entry))
-    return names
+    return [name for entry in axes for name in _sharding.entry_axes(entry)]
 
 
 def _grouped(fallbacks: Sequence[LayoutFallback]):
@@ -329,13 +324,13 @@ def _fallback_axes(
     """Moves mesh axes off dimensions they do not divide (see module doc)."""
 
     def parts(entry: Any) -> int:
-        return math.prod(sizes[name] for name in _names_of((entry,)))
+        return math.prod(sizes[name] for name in _sharding.entry_axes(entry))
 
     used: list[Any] = list(axes) + [None] * (len(shape) - len(axes))
     homeless: list[tuple[str, ...]] = []
     for dim, entry in enumerate(used):
         if entry is not None and shape[dim] % parts(entry):
-            homeless.append(tuple(_names_of((entry,))))
+            homeless.append(_sharding.entry_axes(entry))
             used[dim] = None
     for names in homeless:
         need = math.prod(sizes[name] for name in names)
@@ -355,7 +350,7 @@ def _fallback_axes(
         ]
         if merged:
             dim = max(merged, key=lambda d: (shape[d], -d))
-            used[dim] = tuple(_names_of((used[dim],))) + names
+            used[dim] = _sharding.entry_axes(used[dim]) + names
         # Otherwise the variable stays replicated along `names`.
     return tuple(used)
 
