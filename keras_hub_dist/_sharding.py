@@ -22,6 +22,7 @@ __all__ = [
     "axis_sizes",
     "entry_axes",
     "jax_mesh",
+    "keras_device_mesh",
     "lookup_layout",
     "shard_shape",
     "validate_spec",
@@ -40,6 +41,22 @@ def jax_mesh(mesh: Any) -> jax.sharding.Mesh:
         "Expected a keras.distribution.DeviceMesh or a jax.sharding.Mesh. "
         f"Received: mesh={mesh!r} of type {type(mesh).__name__}."
     )
+
+
+def keras_device_mesh(mesh: Any) -> keras.distribution.DeviceMesh | None:
+    """The Keras `DeviceMesh` for a Keras or JAX mesh; `None` for other inputs.
+
+    Callers decide what else they accept (shapes, `{axis: size}` dicts).
+    """
+    if isinstance(mesh, keras.distribution.DeviceMesh):
+        return mesh
+    if isinstance(mesh, jax.sharding.Mesh):
+        return keras.distribution.DeviceMesh(
+            shape=tuple(mesh.devices.shape),
+            axis_names=tuple(mesh.axis_names),
+            devices=list(mesh.devices.flat),
+        )
+    return None
 
 
 def axis_sizes(mesh: Any) -> dict[str, int]:

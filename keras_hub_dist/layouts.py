@@ -41,7 +41,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import keras
 import numpy as np
 
@@ -242,14 +241,9 @@ def abstract_device_mesh(
 
 
 def _as_device_mesh(device_mesh: Any) -> keras.distribution.DeviceMesh:
-    if isinstance(device_mesh, keras.distribution.DeviceMesh):
-        return device_mesh
-    if isinstance(device_mesh, jax.sharding.Mesh):
-        return keras.distribution.DeviceMesh(
-            shape=tuple(device_mesh.devices.shape),
-            axis_names=list(device_mesh.axis_names),
-            devices=device_mesh.devices,
-        )
+    converted = _sharding.keras_device_mesh(device_mesh)
+    if converted is not None:
+        return converted
     if isinstance(device_mesh, Mapping):
         return abstract_device_mesh(device_mesh)
     raise TypeError(

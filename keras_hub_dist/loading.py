@@ -248,12 +248,9 @@ def _device_mesh(mesh: Any, layout_map: Any, model_axis: str, data_axis: str) ->
         return keras.distribution.DeviceMesh(
             (1, len(devices)), (data_axis, model_axis), devices
         )
-    if isinstance(mesh, keras.distribution.DeviceMesh):
-        return mesh
-    if isinstance(mesh, jax.sharding.Mesh):
-        return keras.distribution.DeviceMesh(
-            tuple(mesh.devices.shape), tuple(mesh.axis_names), list(mesh.devices.flat)
-        )
+    device_mesh = _sharding.keras_device_mesh(mesh)
+    if device_mesh is not None:
+        return device_mesh
     if isinstance(mesh, Mapping):
         names, shape = tuple(str(k) for k in mesh), tuple(mesh.values())
     elif isinstance(mesh, Sequence) and not isinstance(mesh, str):

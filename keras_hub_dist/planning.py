@@ -353,16 +353,9 @@ def plan_layout(
 def _resolve_mesh(
     mesh: Any, model_axis: str, data_axis: str | None
 ) -> tuple[keras.distribution.DeviceMesh | None, dict[str, int]]:
-    device_mesh = None
-    if isinstance(mesh, keras.distribution.DeviceMesh):
-        device_mesh = mesh
-    elif isinstance(mesh, jax.sharding.Mesh):
-        device_mesh = keras.distribution.DeviceMesh(
-            shape=tuple(mesh.devices.shape),
-            axis_names=tuple(mesh.axis_names),
-            devices=mesh.devices.reshape(-1).tolist(),
-        )
-    elif isinstance(mesh, Mapping):
+    # A `{axis: size}` dict plans from sizes alone (no DeviceMesh).
+    device_mesh = _sharding.keras_device_mesh(mesh)
+    if device_mesh is not None or isinstance(mesh, Mapping):
         pass
     elif isinstance(mesh, Sequence) and all(isinstance(s, int) for s in mesh):
         if len(mesh) != 2 or data_axis is None:
