@@ -16,9 +16,11 @@ takes on CPU.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -239,6 +241,14 @@ def sharded_sampler(
     return jax.jit(mapped, out_shardings=NamedSharding(mesh, spec))
 
 
+# Compiled samplers by (draw key, shape, dtype, mesh, spec): every layer of a
+# model has kernels of the same shapes, and re-tracing and re-compiling the
+# same program per variable would dominate the init of a deep model.
+_SAMPLER_CACHE: collections.OrderedDict[Hashable, Callable] = collections.OrderedDict()
+_SAMPLER_CACHE_SIZE = 256
+_sampler_cache_lock = threading.Lock()
+
+
 def sharded_sample(
     sample: BlockSampler,
     full_shape: Sequence[int],
@@ -246,11 +256,35 @@ def sharded_sample(
     mesh: jax.sharding.Mesh,
     spec: PartitionSpec,
     raw_key: jax.Array,
+    *,
+    draw_key: Hashable | None = None,
 ) -> jax.Array:
-    """Draws `full_shape` in sharding `NamedSharding(mesh, spec)`."""
+    """Draws `full_shape` in sharding `NamedSharding(mesh, spec)`.
+
+    Args:
+        draw_key: Hashable identity of what `sample` computes (everything but
+            the key, which is an argument). Given, the compiled program is
+            reused by later calls with the same key, shape, dtype and layout.
+    """
     raw_key = jnp.asarray(raw_key, jnp.uint32).reshape(2)
     mesh = _match_context_axis_types(mesh)
-    return sharded_sampler(sample, full_shape, dtype, mesh, spec)(raw_key)
+    if draw_key is None:
+        return sharded_sampler(sample, full_shape, dtype, mesh, spec)(raw_key)
+    cache_key = (
+        draw_key, tuple(int(d) for d in full_shape), jnp.dtype(dtype).name,
+        mesh, PartitionSpec(*spec),
+    )
+    with _sampler_cache_lock:
+        sampler = _SAMPLER_CACHE.get(cache_key)
+        if sampler is not None:
+            _SAMPLER_CACHE.move_to_end(cache_key)
+    if sampler is None:
+        sampler = sharded_sampler(sample, full_shape, dtype, mesh, spec)
+        with _sampler_cache_lock:
+            _SAMPLER_CACHE[cache_key] = sampler
+            while len(_SAMPLER_CACHE) > _SAMPLER_CACHE_SIZE:
+                _SAMPLER_CACHE.popitem(last=False)
+    return sampler(raw_key)
 
 
 def _match_context_axis_types(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -186,8 +187,25 @@ class _Distributed:
         raw_key = _raw_key(_compat.draw_seed(self.seed))
         return _sharded_random.sharded_sample(
             lambda block, dt, key: self._sample_block(shape, block, dt, key),
-            shape, dtype, mesh, spec, raw_key,
+            shape, dtype, mesh, spec, raw_key, draw_key=self._draw_key(),
         )
+
+    def _draw_key(self) -> Hashable | None:
+        """What the draw depends on besides the key: class and statistics.
+
+        `None` (no reuse of compiled samplers) for a config that is not
+        hashable, e.g. a user subclass holding an array.
+        """
+        config = {k: v for k, v in self.get_config().items()
+                  if k not in ("seed", "path")}
+        frozen = tuple(sorted(
+            (k, tuple(v) if isinstance(v, list) else v) for k, v in config.items()
+        ))
+        try:
+            hash(frozen)
+        except TypeError:
+            return None
+        return (type(self), frozen)
 
     @staticmethod
     def _check_dtype(path, shape, dtype, placement) -> None:

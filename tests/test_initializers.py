@@ -372,3 +372,18 @@ def test_initialize_variables_names_the_failing_path():
             khd_init.initialize_variables(created)
     assert "While initializing variable 'token_embedding/embeddings'" in str(
         info.value.__notes__)
+
+
+def test_compiled_sampler_is_reused_only_for_the_same_statistics():
+    distribution = embedding_distribution((2, 4))
+    _sharded_random._SAMPLER_CACHE.clear()
+    with distribution.scope():
+        first = keras_hub_dist.DistributedRandomNormal(stddev=0.02, seed=1)(SHAPE)
+        second = keras_hub_dist.DistributedRandomNormal(stddev=0.02, seed=2)(SHAPE)
+        assert len(_sharded_random._SAMPLER_CACHE) == 1  # new seed, same program
+        wide = keras_hub_dist.DistributedRandomNormal(stddev=1.0, seed=1)(SHAPE)
+        assert len(_sharded_random._SAMPLER_CACHE) == 2  # new statistics, new one
+    for value, (stddev, seed) in ((first, (0.02, 1)), (second, (0.02, 2)),
+                                  (wide, (1.0, 1))):
+        parent = keras.initializers.RandomNormal(stddev=stddev, seed=seed)(SHAPE)
+        assert fusion_rounding(value, parent) <= 2
