@@ -112,8 +112,8 @@ def _weights_path(preset: str) -> str:
 def _case_floor(args, huge_pages: bool) -> dict:
     import numpy as np
 
-    from keras_hub_dist import memory
-    from keras_hub_dist._load_execute import aligned_empty
+    from keras_hub_dist.validate import memory
+    from keras_hub_dist.formats.host_io import aligned_empty
 
     path = _weights_path(args.preset)
     size = os.path.getsize(path)
@@ -154,7 +154,7 @@ def _case_load(args, which: str, sample: bool) -> dict:
     import keras_hub
 
     import keras_hub_dist
-    from keras_hub_dist import memory
+    from keras_hub_dist.validate import memory
 
     mesh = keras.distribution.DeviceMesh((1, 8), ("batch", "model"), jax.devices())
     if which == "stock":

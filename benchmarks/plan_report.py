@@ -65,7 +65,7 @@ def _fmt(axes) -> str:
 
 def _compare(plan, variables, layout_map, sizes):
     """Per-device bytes under `layout_map`, invalid entries, and differences."""
-    from keras_hub_dist import _sharding
+    from keras_hub_dist.plan import specs
     from keras_hub_dist.errors import LayoutError
 
     per_device = 0
@@ -77,8 +77,8 @@ def _compare(plan, variables, layout_map, sizes):
         axes = tuple(layout.axes) if layout is not None else (None,) * len(shape)
         itemsize = plan.decision(v.path).total_bytes // max(1, math.prod(shape))
         try:
-            _sharding.validate_spec(v.path, shape, axes, sizes)
-            block = _sharding.shard_shape(shape, axes, sizes)
+            specs.validate_spec(v.path, shape, axes, sizes)
+            block = specs.shard_shape(shape, axes, sizes)
             per_device += math.prod(block) * itemsize
         except LayoutError:
             invalid.append(v.path)
@@ -123,13 +123,14 @@ def main() -> None:
 
     import keras
 
-    from keras_hub_dist import layouts
-    from keras_hub_dist.abstract import abstract_backbone
+    from keras_hub_dist.plan import layouts
+    from keras_hub_dist.plan.mesh import abstract_device_mesh
+    from keras_hub_dist.plan.abstract import abstract_backbone
     from keras_hub_dist.errors import LayoutFallbackWarning
-    from keras_hub_dist.planning import plan_layout
+    from keras_hub_dist.plan.auto_layout import plan_layout
 
     batch, model_size = (int(x) for x in args.mesh.split("x"))
-    mesh = layouts.abstract_device_mesh((batch, model_size))
+    mesh = abstract_device_mesh((batch, model_size))
     sizes = {"batch": batch, "model": model_size}
     n = batch * model_size
     overrides = {} if args.num_layers is None else {"num_layers": args.num_layers}

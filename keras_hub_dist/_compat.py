@@ -17,6 +17,7 @@ import jax
 import keras
 
 __all__ = [
+    "builtin_preset_names",
     "compute_fans",
     "context_mesh",
     "creating_variables_without_values",
@@ -406,3 +407,8 @@ def preset_has_file(preset: str, name: str) -> bool:
     """Whether `preset` has file `name` (remote handles may download it)."""
     return _preset_utils().check_file_exists(preset, name)
 
+
+
+def builtin_preset_names() -> list[str]:
+    """Names of KerasHub's built-in presets (`"gemma_7b_en"`, ...)."""
+    return list(getattr(_preset_utils(), "BUILTIN_PRESETS", {}))

@@ -52,11 +52,11 @@ _QUIET = flags.DEFINE_boolean("quiet", False, "No progress lines.")
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    from keras_hub_dist import _validate
-    from keras_hub_dist import cli
+    from keras_hub_dist.validate import cli
+    from keras_hub_dist.validate.options import ValidateOptions
 
     try:
-        options = _validate.ValidateOptions.from_flags(
+        options = ValidateOptions.from_flags(
             preset=_PRESET.value,
             mesh=_MESH.value,
             dtype=_DTYPE.value,

@@ -1,0 +1,254 @@
+"""The block plan: which block of which variable goes to which device.
+
+Pure functions over shapes, partition specs, a device grid and where each
+variable's values are (`formats.base.TensorSource`): nothing here reads a
+weight or touches a device, so a plan can be built and checked with a fake
+mesh (`tests/fakes.py`) in a test, and every process of a multi-host job
+plans only what its own devices hold.
+
+For each variable the plan groups this process's devices by the block of the
+global array they hold (a fully replicated variable is one block held by all
+local devices): each block is read from disk once per process and copied to
+the other devices that hold it. Each block's bytes in the file are an exact
+set of strided runs (`formats.base.ByteRuns`) when the checkpoint stores the
+variable as it is; a process reads exactly the runs of its own blocks, each
+byte once. The executor reads them in one of three ways:
+
+- `"direct"`: each block's runs straight into its buffer (one `os.preadv`
+  per run); used when runs are long (or there is one per block), and blocks
+  can be read in parallel.
+- `"scatter"`: the runs of all local blocks merged in file order, so each
+  contiguous stretch of the file is read by one `os.preadv` whose iovecs
+  point into the blocks' buffers (no scratch buffer, no copy); used when runs
+  are short, e.g. a kernel split along its last axis (a run per row).
+- `"read"`: the checkpoint format's `TensorSource.read` per block, for
+  values that are not one stored tensor as it is (a chunked HDF5 dataset, a
+  tensor that must be transposed or stacked).
+
+Example:
+
+```python
+mesh = FakeMesh({"batch": 2, "model": 4})
+plan = plan_load([VariableRequest("emb", source, ("model", None), np.float32)], mesh)
+plan.variables[0].blocks[0].device_ids   # (0, 4): both batch rows hold rows 0:N/4
+```
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from keras_hub_dist.formats.base import ByteRuns, Index, TensorSource
+from keras_hub_dist.plan import specs
+
+__all__ = [
+    "Block",
+    "LoadPlan",
+    "VariablePlan",
+    "VariableRequest",
+    "block_indices",
+    "plan_load",
+]
+
+AxisEntry = str | tuple[str, ...] | None
+
+# Runs at least this long are read one `preadv` each (blocks in parallel);
+# shorter runs are merged across blocks into few large scatter reads.
+DIRECT_MIN_RUN_BYTES = 256 * 1024
+
+
+def block_indices(
+    shape: Sequence[int], spec: Sequence[AxisEntry], mesh: Any
+) -> dict[Any, Index]:
+    """Device -> `((start, stop), ...)` of the block it holds.
+
+    Follows `jax.sharding.NamedSharding`: a dimension split over axes
+    `(a, b)` is cut into `size(a) * size(b)` equal parts, `a` major.
+    The spec must divide the shape (see `specs.validate_spec`).
+    """
+    shape = tuple(int(d) for d in shape)
+    spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    names = tuple(mesh.axis_names)
+    grid = np.asarray(mesh.devices)
+    sizes = dict(zip(names, grid.shape))
+    out: dict[Any, Index] = {}
+    for coords in np.ndindex(*grid.shape):
+        index = []
+        for dim, entry in zip(shape, spec):
+            axes = specs.entry_axes(entry)
+            parts = math.prod(sizes[a] for a in axes)
+            k = 0
+            for a in axes:
+                k = k * sizes[a] + coords[names.index(a)]
+            step = dim // parts
+            index.append((k * step, (k + 1) * step))
+        out[grid[coords]] = tuple(index)
+    return out
+
+
+@dataclass(frozen=True)
+class Block:
+    """One distinct block of a variable on this process.
+
+    Attributes:
+        index: `((start, stop), ...)` of the block in the global array.
+        device_ids: The local devices holding it, in mesh order; the block is
+            read once and copied to the others.
+        runs: Its bytes in the file (`None` unless the source is stored as it
+            is, `TensorSource.stored`).
+    """
+
+    index: Index
+    device_ids: tuple[int, ...]
+    runs: ByteRuns | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self.index)
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(start, stop) for start, stop in self.index)
+
+
+@dataclass(frozen=True)
+class VariablePlan:
+    """How one variable is read and placed on this process.
+
+    Attributes:
+        path: Keras variable path.
+        shape: Global shape.
+        source_dtype: Dtype of the source's values.
+        target_dtype: Dtype of the variable (each block is cast on the host).
+        spec: Partition spec (one entry per dimension).
+        source: Where the values are.
+        blocks: The distinct local blocks.
+        strategy: `"direct"`, `"scatter"` or `"read"` (see the module doc).
+        read_bytes: Bytes this process reads from the file for the variable
+            (exactly the bytes of its blocks, each once).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    source_dtype: np.dtype
+    target_dtype: np.dtype
+    spec: tuple[AxisEntry, ...]
+    source: TensorSource
+    blocks: tuple[Block, ...]
+    strategy: str
+    read_bytes: int
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every local device holds the whole variable."""
+        return len(self.blocks) == 1 and self.blocks[0].shape == self.shape
+
+    def device_bytes(self) -> dict[int, int]:
+        """Target-dtype bytes this variable puts on each local device."""
+        out = {}
+        for block in self.blocks:
+            nbytes = math.prod(block.shape) * self.target_dtype.itemsize
+            for d in block.device_ids:
+                out[d] = out.get(d, 0) + nbytes
+        return out
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """The plan of one process: every variable, in load order."""
+
+    variables: tuple[VariablePlan, ...]
+    process_index: int
+    axis_sizes: dict[str, int]
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(v.read_bytes for v in self.variables)
+
+    def device_bytes(self) -> dict[int, int]:
+        """Final bytes per local device once every variable is placed."""
+        out: dict[int, int] = {}
+        for v in self.variables:
+            for d, b in v.device_bytes().items():
+                out[d] = out.get(d, 0) + b
+        return out
+
+
+@dataclass(frozen=True)
+class VariableRequest:
+    """What the planner needs to know about one variable."""
+
+    path: str
+    source: TensorSource
+    spec: tuple[AxisEntry, ...]
+    target_dtype: Any
+
+
+def _choose_strategy(source: TensorSource, blocks: Sequence[Block]) -> tuple[str, int]:
+    if source.stored is None:
+        return "read", sum(source.read_nbytes(b.index) for b in blocks)
+    needed = sum(b.runs.nbytes for b in blocks)
+    shortest = min((b.runs.run_bytes for b in blocks if b.runs.num_runs), default=0)
+    if all(b.runs.num_runs <= 1 for b in blocks) or shortest >= DIRECT_MIN_RUN_BYTES:
+        return "direct", needed
+    return "scatter", needed
+
+
+def plan_load(
+    requests: Sequence[VariableRequest],
+    mesh: Any,
+    *,
+    process_index: int = 0,
+) -> LoadPlan:
+    """Plans what process `process_index` reads and where each block goes.
+
+    Args:
+        requests: One per variable, in load order. Specs must already be
+            validated (every split dimension divisible).
+        mesh: A `jax.sharding.Mesh` or a stand-in (anything with
+            `axis_names` and a `devices` grid whose items have `id` and
+            `process_index`).
+        process_index: The process to plan for: only devices with this
+            `process_index` are considered.
+
+    Returns:
+        A `LoadPlan`.
+    """
+    grid = np.asarray(mesh.devices)
+    axis_sizes = dict(zip(tuple(mesh.axis_names), grid.shape))
+    mesh_order = {d.id: i for i, d in enumerate(grid.flat)}
+    variables = []
+    for request in requests:
+        source = request.source
+        shape = tuple(source.shape)
+        grouped: dict[Index, list[int]] = {}
+        for device, index in block_indices(shape, request.spec, mesh).items():
+            if device.process_index != process_index:
+                continue
+            grouped.setdefault(index, []).append(device.id)
+        blocks = []
+        for index, ids in grouped.items():
+            ids.sort(key=mesh_order.__getitem__)
+            runs = source.stored.block_runs(index) if source.stored is not None else None
+            blocks.append(Block(index, tuple(ids), runs))
+        blocks.sort(key=lambda b: (b.index, mesh_order[b.device_ids[0]]))
+        strategy, read_bytes = _choose_strategy(source, blocks)
+        spec = tuple(request.spec) + (None,) * (len(shape) - len(tuple(request.spec)))
+        variables.append(
+            VariablePlan(
+                path=request.path,
+                shape=shape,
+                source_dtype=np.dtype(source.dtype),
+                target_dtype=np.dtype(request.target_dtype),
+                spec=spec,
+                source=source,
+                blocks=tuple(blocks),
+                strategy=strategy,
+                read_bytes=read_bytes if blocks else 0,
+            )
+        )
+    return LoadPlan(tuple(variables), process_index, axis_sizes)

@@ -1,0 +1,271 @@
+"""Load a KerasHub preset straight into its shards: `load_sharded_preset`.
+
+Stock `from_preset` under `ModelParallel` random-initializes every weight,
+reads each tensor whole into host memory, puts it whole on device 0 and only
+then re-shards it. `load_sharded_preset` instead:
+
+1. builds the backbone from the preset's `config.json` with every variable
+   created without a value (`plan.abstract.build_without_values`):
+   no weight is generated;
+2. indexes the checkpoint through its format module (`keras_hub_dist.formats`:
+   which tensor holds which variable, at which byte offset) and validates
+   everything (missing/extra variables, shapes, dtypes, truncation, mesh axis
+   names, divisibility) before any device memory is touched;
+3. plans, per variable and device, the exact byte ranges each device holds
+   (each process only its own devices; replicated variables once per
+   process);
+4. reads those bytes into fresh host buffers, casts them per block, places
+   each block on its devices and assembles the final sharded `jax.Array`,
+   which becomes the variable's first value.
+
+Example:
+
+```python
+import keras_hub_dist
+
+# 8 devices, all on the model axis (the default mesh).
+backbone = keras_hub_dist.load_sharded_preset("./gemma_7b_en")
+
+# A causal LM with its tokenizer, on a 2 x 4 mesh, in bfloat16.
+lm = keras_hub_dist.load_sharded_preset(
+    "gemma_7b_en", mesh={"batch": 2, "model": 4}, dtype="bfloat16",
+    task="causal_lm",
+)
+lm.generate("The capital of France is", max_length=16)
+
+# The ModelParallel distribution stays set for the returned model:
+keras.distribution.distribution()  # -> the ModelParallel used to load
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import keras
+
+from keras_hub_dist import _compat
+from keras_hub_dist._progress import byte_progress
+from keras_hub_dist.formats.base import CheckpointIndex
+from keras_hub_dist.formats.detect import checkpoint_format
+from keras_hub_dist.load.block_plan import LoadPlan, VariableRequest, plan_load
+from keras_hub_dist.load.execute import ExecuteStats, execute_plan
+from keras_hub_dist.load.report import LoadReport
+from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
+from keras_hub_dist.load.tasks import build_task, task_class
+from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
+from keras_hub_dist.plan.mesh import jax_mesh
+from keras_hub_dist.plan.model_layouts import (
+    default_layout_map,
+    user_layout_map,
+    variable_layouts,
+)
+
+__all__ = ["LoadReport", "load_sharded_preset"]
+
+
+def load_sharded_preset(
+    preset: str | os.PathLike,
+    mesh: Any = None,
+    *,
+    layout_map: Any = None,
+    dtype: Any = None,
+    task: str | type | None = None,
+    progress: bool | None = None,
+    memory_report: bool = False,
+    model_axis: str = "model",
+    data_axis: str = "batch",
+    task_kwargs: Mapping[str, Any] | None = None,
+    num_threads: int = 2,
+) -> keras.Model | tuple[keras.Model, LoadReport]:
+    """Loads a KerasHub preset directly into its final sharding.
+
+    No weight is random-initialized, no full tensor is put on one device
+    (unless its layout replicates it), and each process reads from the
+    weights file only the bytes its own devices hold. Everything that can be
+    wrong with the preset, mesh or layout map is reported before any device
+    memory is used, and a failed load leaves nothing behind.
+
+    The returned model owns its memory: no weight aliases the file, so the
+    preset can be deleted or overwritten afterwards.
+
+    On return, the `keras.distribution.ModelParallel` used for loading is set
+    as the global Keras distribution (`keras.distribution.distribution()`),
+    so `model(...)`, `predict`, `generate` and `fit` run sharded. Restore your
+    own with `keras.distribution.set_distribution(...)` if needed.
+
+    Args:
+        preset: A local KerasHub preset directory, a KerasHub preset name or
+            handle (`"gemma_7b_en"`, `"kaggle://..."`, `"hf://..."`, resolved
+            and cached by KerasHub's downloader), or a keras_hub_dist
+            architecture name (`keras_hub_dist.presets.names()`, e.g.
+            `"gemma2_7b"`).
+        mesh: `None` (all devices on the model axis: `(1, n)`), a
+            `keras.distribution.DeviceMesh`, a `jax.sharding.Mesh`, a shape
+            `(batch, model)` such as `(2, 4)`, or a dict such as
+            `{"batch": 1, "model": 8}`.
+        layout_map: `None` for the family's map (keras_hub_dist's if
+            available, else KerasHub's `get_layout_map`), a
+            `keras.distribution.LayoutMap`, a dict `{path regex: axes}`, or a
+            callable `device_mesh -> LayoutMap`.
+        dtype: Dtype (policy) of the model, e.g. `"bfloat16"`; weights are
+            cast block by block on the host. Default: as with
+            `Backbone.from_preset`, Keras's global dtype policy
+            (`keras.config.dtype_policy()`, float32 unless set), whatever
+            dtype the preset was saved in.
+        task: `None` for the backbone, or a task such as `"causal_lm"` (any
+            KerasHub task class name in snake_case, or the class) to get the
+            task model with the preset's preprocessor / tokenizer.
+        progress: Show a progress bar on stderr; default: when stderr is a
+            terminal.
+        memory_report: Also return a `LoadReport` (time, bytes read, per
+            device peak / final bytes, host RSS) measured until every weight
+            is resident.
+        model_axis: Mesh axis name the weights are sharded on.
+        data_axis: Mesh axis name of the batch.
+        task_kwargs: Extra arguments for the task's `from_preset`.
+        num_threads: Reader threads (blocks of a variable are read
+            concurrently); 1 reads in the calling thread only.
+
+    Returns:
+        The backbone (or task) model, or `(model, LoadReport)` with
+        `memory_report=True`.
+
+    Raises:
+        PresetError: Missing or truncated weights file; variables missing
+            from or extra in it; shape or dtype mismatch (the message names
+            the path, expected and on-disk values); an unsupported
+            architecture; an unknown task.
+        LayoutError: Mesh axis names the layout map does not use, or a
+            dimension the mesh does not divide (the message names the
+            variable and suggests a mesh that works).
+    """
+    if memory_report:
+        # Imported here: measuring is optional and lives with validation.
+        from keras_hub_dist.validate import memory
+
+        sampler = memory.MemorySampler()
+    else:
+        sampler = contextlib.nullcontext()
+    start = time.perf_counter()
+    with sampler:
+        model, plan, stats, index, label = _load(
+            preset, mesh, layout_map, dtype, task, progress, model_axis, data_axis,
+            dict(task_kwargs or {}), num_threads,
+        )
+    wall = time.perf_counter() - start
+    if not memory_report:
+        return model
+    report = LoadReport(
+        preset=label,
+        axis_sizes=dict(plan.axis_sizes),
+        wall_s=wall,
+        model_bytes=sum(_variable_bytes(v) for v in plan.variables),
+        bytes_read=stats.bytes_read,
+        file_bytes=index.total_bytes,
+        read_calls=stats.read_calls,
+        expected_per_device=plan.device_bytes(),
+        peak_per_device={
+            d: p - sampler.start_per_device.get(d, 0)
+            for d, p in sampler.peak_per_device.items()
+        },
+        final_per_device={
+            d: f - sampler.start_per_device.get(d, 0)
+            for d, f in sampler.final_per_device.items()
+        },
+        host_rss_start=sampler.host_start_rss,
+        host_rss_peak=sampler.host_peak_rss,
+        host_rss_final=sampler.host_final_rss,
+    )
+    return model, report
+
+
+def _variable_bytes(var: Any) -> int:
+    return math.prod(var.shape) * var.target_dtype.itemsize
+
+
+def _load(
+    preset: Any,
+    mesh: Any,
+    layout_map: Any,
+    dtype: Any,
+    task: Any,
+    progress: bool | None,
+    model_axis: str,
+    data_axis: str,
+    task_kwargs: dict[str, Any],
+    num_threads: int,
+) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
+    # Phase 1: resolve and validate; no device memory is used.
+    source = resolve_source(preset)
+    config = read_config(source)
+    checkpoint = checkpoint_format(config, source.label)
+    backbone_cls, backbone_config = checkpoint.backbone_config(config, source.label)
+    metadata = read_metadata(source)
+    task_cls = task_class(task, backbone_cls, metadata, source.label) if task else None
+    if mesh is None and isinstance(layout_map, keras.distribution.LayoutMap):
+        device_mesh = layout_map.device_mesh
+    else:
+        device_mesh = parse_mesh(mesh, data_axis=data_axis, model_axis=model_axis)
+
+    # Exactly what `Backbone.from_preset(preset, dtype=dtype)` does: the
+    # argument (None included, i.e. Keras's global dtype policy) replaces the
+    # saved policy.
+    backbone, deferred = build_without_values(backbone_cls, {**backbone_config, "dtype": dtype})
+    try:
+        index = checkpoint.index_checkpoint(backbone, source.ref, source.label)
+        if layout_map is None:
+            resolved_map = default_layout_map(backbone, device_mesh, model_axis, data_axis)
+        else:
+            resolved_map = user_layout_map(layout_map, device_mesh)
+        distribution = keras.distribution.ModelParallel(
+            layout_map=resolved_map,
+            batch_dim_name=data_axis if data_axis in device_mesh.axis_names else None,
+        )
+        layouts = variable_layouts(index.entries, distribution, device_mesh, data_axis)
+        mesh_of_devices = jax_mesh(device_mesh)
+        requests = [
+            VariableRequest(e.path, e.source, tuple(layouts[e.path].axes), e.dtype)
+            for e in index.entries
+        ]
+        plan = plan_load(requests, mesh_of_devices, process_index=jax.process_index())
+        shardings = {path: layout.backend_layout for path, layout in layouts.items()}
+        devices = {d.id: d for d in mesh_of_devices.devices.flat}
+        variables = {e.path: e.variable for e in index.entries}
+
+        # Phase 2: read and place, straight into the final shardings.
+        def fill(var_plan: Any, array: jax.Array) -> None:
+            _compat.materialize_deferred_variable(
+                variables[var_plan.path], array, layouts[var_plan.path]
+            )
+
+        bar = byte_progress(plan.read_bytes, f"Loading {source.short}", progress)
+        stats = execute_plan(
+            plan, shardings, devices, fill, progress=bar, num_threads=num_threads
+        )
+        with distribution.scope():
+            # Variables Keras never saves (e.g. seed generator states) get
+            # their normal initial value, as with stock `from_preset`.
+            loaded = {id(v) for v in variables.values()}
+            for v in deferred:
+                if id(v) not in loaded:
+                    _compat.initialize_pending([v])
+            model = backbone
+            if task_cls is not None:
+                model = build_task(task_cls, source, backbone, task_kwargs)
+    except BaseException:
+        for v in deferred:
+            value = _compat.variable_array(v)
+            if isinstance(value, jax.Array):
+                with contextlib.suppress(Exception):
+                    value.delete()
+        raise
+    keras.distribution.set_distribution(distribution)
+    return model, plan, stats, index, source.label

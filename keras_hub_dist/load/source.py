@@ -1,0 +1,127 @@
+"""Where a load reads from: resolving what the user passed, and its JSON files.
+
+`load_sharded_preset` accepts a local directory, a KerasHub preset name or
+handle (`"gemma_7b_en"`, `"kaggle://..."`, `"hf://..."`, resolved and cached
+by KerasHub's own downloader), or a keras_hub_dist architecture name. Typos
+and missing directories are caught here, with the close names, before
+KerasHub's generic "Unknown preset identifier".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Any
+
+from keras_hub_dist import _compat
+from keras_hub_dist.errors import PresetError
+from keras_hub_dist.plan import presets
+
+__all__ = ["PresetSource", "read_config", "read_metadata", "resolve_source"]
+
+_METADATA_FILE = "metadata.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class PresetSource:
+    """A resolved preset.
+
+    Attributes:
+        ref: What KerasHub's file getter receives (a local dir or a handle).
+        label: How messages name it.
+        short: A short name for the progress bar.
+    """
+
+    ref: str
+    label: str
+    short: str
+
+
+def _looks_like_path(preset: str) -> bool:
+    return (
+        os.sep in preset
+        or (os.altsep is not None and os.altsep in preset)
+        or preset.startswith((".", "~"))
+    )
+
+
+def _unknown(preset: str) -> PresetError:
+    if _looks_like_path(preset):
+        parent = os.path.dirname(os.path.abspath(os.path.expanduser(preset)))
+        return PresetError(
+            f"The preset directory {preset!r} does not exist. Expected a "
+            "directory holding config.json and the weights. Received: no such "
+            f"directory ({'its parent exists' if os.path.isdir(parent) else 'nor its parent ' + repr(parent)}). "
+            "Check the path, or pass a KerasHub preset name or handle."
+        )
+    known = presets.names() + list(presets.aliases()) + _compat.builtin_preset_names()
+    close = difflib.get_close_matches(preset, known, n=5, cutoff=0.6)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return PresetError(
+        f"Unknown preset {preset!r}. Expected a local preset directory, a "
+        "KerasHub preset name or handle ('kaggle://...', 'hf://...'), or a "
+        "keras_hub_dist architecture name (keras_hub_dist.presets.names()). "
+        f"Received: {preset!r}, which is none of these.{hint}"
+    )
+
+
+def resolve_source(preset: Any) -> PresetSource:
+    """Resolves what the user passed as a preset.
+
+    Raises:
+        PresetError: Not a string or path; a directory that does not exist; a
+            name that is neither a KerasHub preset nor a keras_hub_dist
+            architecture (the message lists the closest names).
+    """
+    if isinstance(preset, os.PathLike):
+        preset = os.fspath(preset)
+    if not isinstance(preset, str) or not preset:
+        raise PresetError(
+            "Expected a preset: a local preset directory, a KerasHub "
+            "preset name or handle, or a keras_hub_dist architecture name. "
+            f"Received: preset={preset!r}."
+        )
+    if os.path.isdir(preset):
+        return PresetSource(preset, preset, os.path.basename(os.path.normpath(preset)))
+    short = preset.rstrip("/").split("/")[-1]
+    if "://" in preset:
+        return PresetSource(preset, preset, short)
+    if preset in _compat.builtin_preset_names():
+        return PresetSource(preset, preset, short)
+    try:
+        entry = presets.resolve(preset)
+    except ValueError:
+        raise _unknown(preset) from None
+    return PresetSource(entry.handle, f"{preset} ({entry.handle})", entry.name)
+
+
+def read_config(source: PresetSource) -> dict[str, Any]:
+    """The preset's `config.json`.
+
+    Raises:
+        PresetError: There is none, or it is not valid JSON (naming the file
+            and the line).
+    """
+    try:
+        path = _compat.preset_file(source.ref, presets.CONFIG_FILE)
+    except FileNotFoundError as e:
+        raise PresetError(
+            f"The preset {source.label!r} has no {presets.CONFIG_FILE}. Expected a "
+            "KerasHub preset (written by `save_to_preset`). Received: "
+            f"{e}"
+        ) from e
+    config = presets.read_json(path)
+    if not isinstance(config, dict):
+        raise PresetError(
+            f"{path!r} holds a JSON {type(config).__name__}. Expected a JSON "
+            "object (a KerasHub or Transformers model config)."
+        )
+    return config
+
+
+def read_metadata(source: PresetSource) -> dict[str, Any]:
+    """The preset's `metadata.json`, or `{}` without one."""
+    if not _compat.preset_has_file(source.ref, _METADATA_FILE):
+        return {}
+    return presets.read_json(_compat.preset_file(source.ref, _METADATA_FILE))

@@ -1,0 +1,410 @@
+"""Tensor-parallel layout maps for the KerasHub LLM families, valid per shape.
+
+`get_layout_map` returns KerasHub's own `get_layout_map` for the families that
+have one (Gemma / Gemma 2, Llama 2 / 3, Qwen 2.5, Qwen MoE) and a map with the
+same conventions for those that lack one (Gemma 3: Gemma's rules; Qwen 3 and
+Mistral: Llama's rules). Untied output embeddings
+(`token_embedding/reverse_embeddings`), which KerasHub's maps leave
+replicated, are sharded like the input table.
+
+A hand-written map shards an axis without knowing its size, so KerasHub's
+Gemma map asks to split the KV-heads axis of `gemma_2b_en` (1 KV head) or
+`gemma2_2b_en` (4 KV heads) over 8 devices, which JAX rejects. When the
+variables' shapes are known (a model, an abstract model or a named
+architecture), every variable's layout is checked against the mesh from
+shapes alone; where an axis does not divide, the mesh axes move to another
+dimension of that variable that they divide (the largest free one, else
+merged into an already sharded one), or the variable is replicated on them.
+Each such variable gets an exact-path entry, is listed in the map's `report`
+(`LayoutReport`) and announced by one `LayoutFallbackWarning`.
+
+Example:
+
+```python
+import keras
+import keras_hub_dist
+
+mesh = keras.distribution.DeviceMesh((1, 8), ("batch", "model"))
+layout_map = keras_hub_dist.get_layout_map("gemma_2b_en", mesh)
+layout_map.report.fallbacks[0].path   # 'decoder_block_0/attention/key/kernel'
+distribution = keras.distribution.ModelParallel(
+    layout_map=layout_map, batch_dim_name="batch"
+)
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import keras
+
+from keras_hub_dist.errors import LayoutError
+from keras_hub_dist.errors import LayoutFallbackWarning
+from keras_hub_dist.plan import presets
+from keras_hub_dist.plan import specs
+from keras_hub_dist.plan.families import keras_hub_family
+from keras_hub_dist.plan.mesh import axis_sizes
+from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
+
+__all__ = [
+    "LayoutFallback",
+    "LayoutReport",
+    "ReportingLayoutMap",
+    "get_layout_map",
+    "supported_families",
+]
+
+Axes = tuple[Any, ...]
+
+# Families whose KerasHub backbone has no `get_layout_map`, and which KerasHub
+# map their variable names and shapes follow.
+_GEMMA_STYLE = ("gemma3",)
+_LLAMA_STYLE = ("qwen3", "mistral")
+
+
+def _gemma_rules(model: str, data: str) -> dict[str, Axes]:
+    # Same keys and axes as `keras_hub.models.GemmaBackbone.get_layout_map`:
+    # attention kernels are (heads, hidden, head_dim) / (heads, head_dim,
+    # hidden), the FFN kernels (hidden, ffn) / (ffn, hidden).
+    return {
+        "token_embedding/embeddings": (model, data),
+        "decoder_block.*attention.*(query|key|value).kernel": (model, data, None),
+        "decoder_block.*attention_output.kernel": (model, None, data),
+        "decoder_block.*ffw_gating.kernel": (data, model),
+        "decoder_block.*ffw_gating_2.kernel": (data, model),
+        "decoder_block.*ffw_linear.kernel": (model, data),
+    }
+
+
+def _llama_rules(model: str, data: str) -> dict[str, Axes]:
+    # Same keys and axes as `keras_hub.models.LlamaBackbone.get_layout_map`:
+    # q/k/v kernels are (hidden, heads, head_dim), the output kernel
+    # (heads, head_dim, hidden).
+    return {
+        "token_embedding/embeddings": (model, data),
+        "transformer_layer.*self_attention.*(query|key|value).kernel": (
+            model, data, None,
+        ),
+        "transformer_layer.*attention_output.kernel": (model, None, data),
+        "transformer_layer.*feedforward_intermediate_dense.kernel": (data, model),
+        "transformer_layer.*feedforward_gate_dense.kernel": (data, model),
+        "transformer_layer.*feedforward_output_dense.kernel": (model, data),
+    }
+
+
+# Added to every family's map: the untied output projection (hidden, vocab)
+# is as large as the input table; KerasHub's maps leave it replicated.
+def _extra_rules(model: str, data: str) -> dict[str, Axes]:
+    return {"token_embedding/reverse_embeddings": (data, model)}
+
+
+def supported_families() -> list[str]:
+    """Registry families `get_layout_map` has a map for (without a model)."""
+    return sorted(
+        {"gemma", "llama", "llama3", "qwen", "qwen_moe", "qwen3_moe"}
+        | set(_GEMMA_STYLE)
+        | set(_LLAMA_STYLE)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutFallback:
+    """One variable whose requested layout did not divide its shape.
+
+    Attributes:
+        path: The variable path.
+        shape: Its full shape.
+        rule: The LayoutMap key whose layout was requested.
+        requested: The requested axes (one entry per dimension).
+        used: The axes used instead (entries moved, or dropped = replicated).
+        reason: Why the requested axes could not be used.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    rule: str
+    requested: Axes
+    used: Axes
+    reason: str
+
+    @property
+    def replicated_axes(self) -> tuple[str, ...]:
+        """Mesh axes the requested layout used that the fallback does not."""
+        return tuple(
+            sorted(set(_names_of(self.requested)) - set(_names_of(self.used)))
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutReport:
+    """What `get_layout_map` checked and where it fell back.
+
+    Attributes:
+        family: The registry family of the model (e.g. `"gemma"`).
+        source: `"keras_hub"` when KerasHub's own `get_layout_map` gave the
+            rules, `"keras_hub_dist"` for this package's.
+        mesh_axis_sizes: Mesh axis name -> size.
+        checked: Whether variable shapes were known and every layout checked.
+            `False` for a backbone class alone: pass a model, an abstract
+            model or a named architecture to get a map checked per shape.
+        num_variables: Variables checked.
+        fallbacks: One entry per variable whose layout fell back.
+    """
+
+    family: str | None
+    source: str
+    mesh_axis_sizes: Mapping[str, int]
+    checked: bool
+    num_variables: int
+    fallbacks: tuple[LayoutFallback, ...]
+
+    def summary(self) -> str:
+        """A few lines: what was checked and each distinct fallback."""
+        sizes = dict(self.mesh_axis_sizes)
+        if not self.checked:
+            return (
+                f"{self.family} layout map ({self.source}) for mesh {sizes}: "
+                "not checked against variable shapes (no model given)."
+            )
+        lines = [
+            f"{self.family} layout map ({self.source}) for mesh {sizes}: "
+            f"{self.num_variables} variables checked, "
+            f"{len(self.fallbacks)} fell back."
+        ]
+        for (rule, shape, requested, used), paths in _grouped(self.fallbacks):
+            lines.append(
+                f"  {len(paths)} x {paths[0]!r}{' ...' if len(paths) > 1 else ''}"
+                f" shape {shape}: {requested} -> {used} (rule {rule!r})"
+            )
+        return "\n".join(lines)
+
+
+class ReportingLayoutMap(keras.distribution.LayoutMap):
+    """A `keras.distribution.LayoutMap` that carries its `LayoutReport`."""
+
+    def __init__(self, device_mesh: Any, report: LayoutReport | None = None):
+        super().__init__(device_mesh)
+        self.report = report
+
+
+def _names_of(axes: Sequence[Any]) -> list[str]:
+    return [name for entry in axes for name in specs.entry_axes(entry)]
+
+
+def _grouped(fallbacks: Sequence[LayoutFallback]):
+    groups: dict[tuple, list[str]] = {}
+    for fallback in fallbacks:
+        key = (fallback.rule, fallback.shape, fallback.requested, fallback.used)
+        groups.setdefault(key, []).append(fallback.path)
+    return list(groups.items())
+
+
+def _target(model_or_class_or_name: Any) -> tuple[type, list[tuple[str, tuple]] | None]:
+    """`(backbone class, [(path, shape)] or None)` for what the user passed."""
+    target = model_or_class_or_name
+    if isinstance(target, presets.PresetEntry):
+        target = target.name
+    if isinstance(target, str):
+        from keras_hub_dist.plan import abstract
+
+        cls, _, _ = presets.backbone_config(target)  # a name or preset dir
+        specs = abstract.variable_specs(target)
+        return cls, [(spec.path, spec.shape) for spec in specs]
+    model = getattr(target, "model", None)  # an `AbstractBackbone`
+    if isinstance(model, keras.Model):
+        target = model
+    if isinstance(target, type):
+        return target, None
+    if isinstance(target, keras.Model):
+        backbone = getattr(target, "backbone", None)
+        family_source = backbone if isinstance(backbone, keras.Model) else target
+        return type(family_source), [
+            (variable.path, tuple(variable.shape)) for variable in target.weights
+        ]
+    raise TypeError(
+        "Expected a KerasHub backbone or task (built or abstract), a backbone "
+        "class, or a named architecture such as 'gemma_7b_en'. Received: "
+        f"{model_or_class_or_name!r}."
+    )
+
+
+def _base_rules(
+    cls: type, family: str | None, mesh: keras.distribution.DeviceMesh,
+    model_dim: str, data_dim: str,
+) -> tuple[dict[str, Axes], str]:
+    keras_hub_map = getattr(cls, "get_layout_map", None)
+    if callable(keras_hub_map):
+        layout_map = keras_hub_map(
+            mesh,
+            model_parallel_dim_name=model_dim,
+            data_parallel_dim_name=data_dim,
+        )
+        rules = {key: tuple(layout_map[key].axes) for key in layout_map}
+        source = "keras_hub"
+    elif family in _GEMMA_STYLE:
+        rules, source = _gemma_rules(model_dim, data_dim), "keras_hub_dist"
+    elif family in _LLAMA_STYLE:
+        rules, source = _llama_rules(model_dim, data_dim), "keras_hub_dist"
+    else:
+        raise LayoutError(
+            f"No layout map is known for {cls.__name__} (registry family "
+            f"{family!r}). Expected a backbone of one of the families "
+            f"{supported_families()}. Received: {cls.__module__}."
+            f"{cls.__name__}. Write a keras.distribution.LayoutMap for it, or "
+            "use automatic planning (keras_hub_dist.plan_layout) when available."
+        )
+    for key, axes in _extra_rules(model_dim, data_dim).items():
+        rules.setdefault(key, axes)
+    return rules, source
+
+
+def _fallback_axes(
+    shape: tuple[int, ...], axes: Axes, sizes: Mapping[str, int]
+) -> Axes:
+    """Moves mesh axes off dimensions they do not divide (see module doc)."""
+
+    def parts(entry: Any) -> int:
+        return math.prod(sizes[name] for name in specs.entry_axes(entry))
+
+    used: list[Any] = list(axes) + [None] * (len(shape) - len(axes))
+    homeless: list[tuple[str, ...]] = []
+    for dim, entry in enumerate(used):
+        if entry is not None and shape[dim] % parts(entry):
+            homeless.append(specs.entry_axes(entry))
+            used[dim] = None
+    for names in homeless:
+        need = math.prod(sizes[name] for name in names)
+        free = [
+            dim for dim, entry in enumerate(used)
+            if entry is None and shape[dim] % need == 0
+        ]
+        if free:
+            # The largest free dimension keeps shards as large as possible
+            # (fewer, bigger blocks per device for the same bytes).
+            dim = max(free, key=lambda d: (shape[d], -d))
+            used[dim] = names[0] if len(names) == 1 else names
+            continue
+        merged = [
+            dim for dim, entry in enumerate(used)
+            if entry is not None and shape[dim] % (parts(entry) * need) == 0
+        ]
+        if merged:
+            dim = max(merged, key=lambda d: (shape[d], -d))
+            used[dim] = specs.entry_axes(used[dim]) + names
+        # Otherwise the variable stays replicated along `names`.
+    return tuple(used)
+
+
+def _check_axis_names(
+    mesh: keras.distribution.DeviceMesh, model_dim: str, data_dim: str
+) -> None:
+    for role, name in (
+        ("model_parallel_dim_name", model_dim),
+        ("data_parallel_dim_name", data_dim),
+    ):
+        if name not in mesh.axis_names:
+            raise LayoutError(
+                f"The device mesh has no axis named {name!r} ({role}). "
+                f"Expected one of {list(mesh.axis_names)}. Received: "
+                f"{role}={name!r}, mesh shape {tuple(mesh.shape)}. Pass the "
+                "mesh's axis name, or build the mesh with that name."
+            )
+
+
+def get_layout_map(
+    model_or_class_or_name: Any,
+    device_mesh: Any,
+    model_parallel_dim_name: str = "model",
+    data_parallel_dim_name: str = "batch",
+) -> ReportingLayoutMap:
+    """A `LayoutMap` for a KerasHub LLM, checked against its variable shapes.
+
+    Uses KerasHub's own `get_layout_map` where the backbone class has one,
+    and the same conventions otherwise (Gemma 3: Gemma's; Qwen 3, Mistral:
+    Llama's). Given shapes (a model or named architecture), every variable's
+    layout is validated from shapes alone (no weight is allocated); where a
+    mesh axis does not divide a dimension it is moved to another dimension of
+    that variable or dropped (replicated), with an exact-path entry, a
+    `LayoutFallback` in `layout_map.report` and a `LayoutFallbackWarning`.
+
+    Args:
+        model_or_class_or_name: A KerasHub backbone or task (built, or
+            abstract from `abstract_backbone`), a backbone class (rules only,
+            unchecked), a named architecture / alias such as
+            `"gemma_7b_en"` or a local preset directory (built abstractly to
+            get its shapes).
+        device_mesh: A `keras.distribution.DeviceMesh`, a `jax.sharding.Mesh`,
+            or a `{axis_name: size}` dict (an abstract mesh, for planning).
+        model_parallel_dim_name: The mesh axis weights are split over.
+        data_parallel_dim_name: The mesh axis the batch is split over (also
+            used for a second weight axis, as in KerasHub's maps).
+
+    Returns:
+        A `ReportingLayoutMap` (a `keras.distribution.LayoutMap`) whose
+        `report` is a `LayoutReport`.
+
+    Raises:
+        LayoutError: an axis name is not in the mesh, or the family has no map.
+
+    Example:
+
+    >>> mesh = keras_hub_dist.plan.mesh.abstract_device_mesh((1, 8))
+    >>> layout_map = get_layout_map("gemma2_2b_en", mesh)
+    >>> len(layout_map.report.fallbacks) > 0   # 4 KV heads on 8 devices
+    True
+    """
+    mesh = parse_mesh(device_mesh, abstract=True)
+    _check_axis_names(mesh, model_parallel_dim_name, data_parallel_dim_name)
+    cls, variables = _target(model_or_class_or_name)
+    family = keras_hub_family(cls)
+    rules, source = _base_rules(
+        cls, family, mesh, model_parallel_dim_name, data_parallel_dim_name
+    )
+    sizes = axis_sizes(mesh)
+    layout_map = ReportingLayoutMap(mesh)
+    for key, axes in rules.items():
+        layout_map[key] = axes
+    fallbacks: list[LayoutFallback] = []
+    for path, shape in variables or ():
+        layout = layout_map[path]
+        if layout is None:
+            continue
+        requested = tuple(layout.axes)
+        try:
+            specs.validate_spec(path, shape, requested, sizes)
+            continue
+        except LayoutError as error:
+            reason = str(error)
+        used = _fallback_axes(shape, requested, sizes)
+        specs.validate_spec(path, shape, used, sizes)
+        rule = next((key for key in rules if layout_map[key] is layout), path)
+        fallbacks.append(
+            LayoutFallback(path, tuple(shape), rule, requested, used, reason)
+        )
+    for fallback in fallbacks:
+        layout_map[fallback.path] = fallback.used
+    layout_map.report = LayoutReport(
+        family=family,
+        source=source,
+        mesh_axis_sizes=dict(sizes),
+        checked=variables is not None,
+        num_variables=len(variables or ()),
+        fallbacks=tuple(fallbacks),
+    )
+    if fallbacks:
+        warnings.warn(
+            f"{len(fallbacks)} variable(s) could not use their requested "
+            f"layout on mesh {dict(sizes)}: a mesh axis does not divide their "
+            "shape, so it was moved to another dimension or dropped "
+            "(replicated).\n" + layout_map.report.summary() + "\nInspect "
+            "`layout_map.report`; choose a mesh whose model axis divides the "
+            "head counts to avoid this.",
+            LayoutFallbackWarning,
+            stacklevel=2,
+        )
+    return layout_map

@@ -1,0 +1,368 @@
+"""Named LLM architectures: KerasHub preset configs, handles and sizes.
+
+Every named architecture is one JSON file in the package data
+(`keras_hub_dist._preset_data`, the repository's `presets/` folder) with the
+backbone config exactly as KerasHub's preset `config.json` has it, the
+KerasHub preset name and Kaggle handle of its weights, its parameter count
+(KerasHub's published preset metadata) and short aliases.
+
+Named architectures (aliases in brackets):
+
+- Gemma: gemma_2b_en [gemma_2b], gemma_7b_en [gemma_7b, gemma2_7b],
+  gemma2_2b_en [gemma2_2b], gemma2_9b_en [gemma2_9b],
+  gemma2_27b_en [gemma2_27b]. `gemma2_7b` is an alias of the 7B-class
+  Gemma, gemma_7b_en: KerasHub publishes no Gemma 2 7B checkpoint (Gemma 2
+  comes in 2B, 9B and 27B).
+- Gemma 3 (text only): gemma3_270m, gemma3_1b, gemma3_4b_text,
+  gemma3_12b_text, gemma3_27b_text.
+- Llama: llama2_7b_en [llama2_7b], llama3_8b_en [llama3_8b],
+  llama3.1_8b [llama3.1_8b_en, llama3_1_8b], llama3.2_1b [llama3.2_1b_en].
+- Qwen 2.5: qwen2.5_0.5b_en, qwen2.5_3b_en, qwen2.5_7b_en (aliases without
+  `_en`). Qwen 3: qwen3_0.6b_en ... qwen3_32b_en (aliases without `_en`).
+- Mistral: mistral_7b_en [mistral_7b], mistral_0.3_7b_en [mistral_0.3_7b].
+
+Example:
+
+```python
+from keras_hub_dist import presets
+
+entry = presets.resolve("gemma2_7b")   # alias of gemma_7b_en
+entry.name, entry.parameter_count       # ('gemma_7b_en', 8537680896)
+backbone_cls = entry.backbone_class     # keras_hub.models.GemmaBackbone
+config = entry.config                   # a fresh dict of constructor args
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib.resources
+import json
+import os
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from keras_hub_dist.errors import PresetError, UnknownPresetError
+
+__all__ = [
+    "CONFIG_FILE",
+    "PresetEntry",
+    "aliases",
+    "backbone_config",
+    "entries",
+    "is_preset_dir",
+    "names",
+    "read_json",
+    "resolve",
+]
+
+_DATA_PACKAGE = "keras_hub_dist._preset_data"
+CONFIG_FILE = "config.json"
+_REQUIRED_FIELDS = (
+    "name", "family", "backbone_class", "kerashub_preset", "handle", "params",
+    "aliases", "config",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PresetEntry:
+    """One named architecture.
+
+    Attributes:
+        name: The canonical name (KerasHub's preset name), e.g. `"gemma_7b_en"`.
+        family: The registry family, e.g. `"gemma"`, `"llama3"`, `"qwen3"`.
+        handle: KerasHub's handle for the weights, e.g.
+            `"kaggle://keras/gemma/keras/gemma_7b_en/4"`.
+        kerashub_preset: The name `keras_hub.models.Backbone.from_preset`
+            accepts for these weights.
+        backbone_class_name: The KerasHub backbone class name.
+        parameter_count: Parameters of the backbone (KerasHub's published
+            preset metadata for `params_preset`).
+        params_preset: The KerasHub preset whose published metadata gives
+            `parameter_count` (the entry itself unless `notes` say otherwise).
+        aliases: Short names that resolve to this entry.
+        alias_notes: Why an alias exists, where it is not obvious.
+        description: KerasHub's description of the preset.
+        notes: Where this entry deviates from KerasHub's metadata, and why.
+        kerashub_metadata_params: KerasHub's published count when it differs
+            from `parameter_count` (see `notes`), else `None`.
+    """
+
+    name: str
+    family: str
+    handle: str
+    kerashub_preset: str
+    backbone_class_name: str
+    parameter_count: int
+    params_preset: str
+    aliases: tuple[str, ...]
+    alias_notes: Mapping[str, str]
+    description: str
+    notes: tuple[str, ...]
+    kerashub_metadata_params: int | None
+    _config_json: str = dataclasses.field(repr=False)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The backbone's constructor arguments (a fresh dict on every call)."""
+        return json.loads(self._config_json)["config"]
+
+    def config_json(self) -> dict[str, Any]:
+        """The full KerasHub `config.json` object (module, class_name, config)."""
+        return json.loads(self._config_json)
+
+    @property
+    def backbone_class(self) -> type:
+        """The KerasHub backbone class, e.g. `keras_hub.models.GemmaBackbone`."""
+        import keras_hub
+
+        return getattr(keras_hub.models, self.backbone_class_name)
+
+
+def _entry_from_data(data: Mapping[str, Any], source: str) -> PresetEntry:
+    missing = [field for field in _REQUIRED_FIELDS if field not in data]
+    if missing:
+        raise ValueError(
+            f"Preset data file {source} is incomplete. Expected the fields "
+            f"{list(_REQUIRED_FIELDS)}. Received: a file without {missing}."
+        )
+    config = data["config"]
+    if config.get("class_name") != data["backbone_class"]:
+        raise ValueError(
+            f"Preset data file {source}: expected config.class_name to equal "
+            f"backbone_class {data['backbone_class']!r}. Received: "
+            f"{config.get('class_name')!r}."
+        )
+    return PresetEntry(
+        name=data["name"],
+        family=data["family"],
+        handle=data["handle"],
+        kerashub_preset=data["kerashub_preset"],
+        backbone_class_name=data["backbone_class"],
+        parameter_count=int(data["params"]),
+        params_preset=data.get("params_preset", data["name"]),
+        aliases=tuple(data["aliases"]),
+        alias_notes=MappingProxyType(dict(data.get("alias_notes", {}))),
+        description=data.get("description", ""),
+        notes=tuple(data.get("notes", ())),
+        kerashub_metadata_params=data.get("kerashub_metadata_params"),
+        _config_json=json.dumps(config, sort_keys=True),
+    )
+
+
+@functools.cache
+def _load() -> tuple[dict[str, PresetEntry], dict[str, str]]:
+    """Reads every data file once: `(name -> entry, lowercased key -> name)`."""
+    by_name: dict[str, PresetEntry] = {}
+    for resource in sorted(
+        importlib.resources.files(_DATA_PACKAGE).iterdir(), key=lambda r: r.name
+    ):
+        if not resource.name.endswith(".json"):
+            continue
+        entry = _entry_from_data(
+            json.loads(resource.read_text(encoding="utf-8")), resource.name
+        )
+        if entry.name in by_name:
+            raise ValueError(
+                f"Two preset data files name '{entry.name}'. Expected one "
+                f"file per named architecture. Received: a second in "
+                f"{resource.name}."
+            )
+        by_name[entry.name] = entry
+    if not by_name:
+        raise RuntimeError(
+            f"No preset data files were found in the package {_DATA_PACKAGE}. "
+            "Expected the *.json files of presets/ to be installed with "
+            "keras_hub_dist. Received: an empty package; reinstall it."
+        )
+    keys: dict[str, str] = {}
+    for entry in by_name.values():
+        for key in (entry.name, entry.kerashub_preset, entry.handle, *entry.aliases):
+            owner = keys.setdefault(key.lower(), entry.name)
+            if owner != entry.name:
+                raise ValueError(
+                    f"The name {key!r} resolves to both '{owner}' and "
+                    f"'{entry.name}'. Expected every name and alias to be "
+                    "unique across presets/."
+                )
+    return by_name, keys
+
+
+def names() -> list[str]:
+    """The canonical names of every named architecture, sorted.
+
+    Aliases (see `aliases()`) resolve too; `gemma2_7b` is an alias of
+    `gemma_7b_en` because KerasHub publishes no Gemma 2 7B checkpoint.
+    """
+    return sorted(_load()[0])
+
+
+def aliases() -> dict[str, str]:
+    """Every alias -> the canonical name it resolves to."""
+    return {
+        alias: entry.name
+        for entry in _load()[0].values()
+        for alias in entry.aliases
+    }
+
+
+def entries() -> list[PresetEntry]:
+    """Every named architecture's entry, sorted by name."""
+    by_name = _load()[0]
+    return [by_name[name] for name in sorted(by_name)]
+
+
+def resolve(name: str) -> PresetEntry:
+    """The entry of a named architecture, alias, KerasHub preset or handle.
+
+    Names are matched case-insensitively.
+
+    Args:
+        name: e.g. `"gemma_7b_en"`, `"gemma2_7b"` (alias of `gemma_7b_en`),
+            `"llama3.1_8b"` or `"kaggle://keras/gemma/keras/gemma_7b_en/4"`.
+
+    Returns:
+        The frozen `PresetEntry`.
+
+    Raises:
+        UnknownPresetError: the name is unknown; the message lists the
+            closest known names.
+
+    Example:
+
+    >>> resolve("gemma2_7b").name
+    'gemma_7b_en'
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise UnknownPresetError(
+            "Expected the name of a named architecture, e.g. 'gemma_7b_en'. "
+            f"Received: name={name!r}."
+        )
+    by_name, keys = _load()
+    key = name.strip().lower()
+    if key in keys:
+        return by_name[keys[key]]
+    known = sorted(set(by_name) | set(aliases()))
+    closest = difflib.get_close_matches(key, known, n=5, cutoff=0.5)
+    hint = (
+        f"The closest known names are {closest}." if closest
+        else "No known name is close."
+    )
+    raise UnknownPresetError(
+        f"Unknown architecture name {name!r}. {hint} Expected one of "
+        f"keras_hub_dist.presets.names() ({len(by_name)} architectures) or an "
+        f"alias. Received: name={name!r}. For a local preset directory or "
+        "another KerasHub preset, pass its config instead."
+    )
+
+
+def is_preset_dir(path: Any) -> bool:
+    """Whether `path` is a local directory holding a `config.json`."""
+    return isinstance(path, (str, os.PathLike)) and os.path.isfile(
+        os.path.join(os.fspath(path), CONFIG_FILE)
+    )
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Reads a JSON file, naming the file, line and column of a syntax error.
+
+    Raises:
+        PresetError: The file is not valid JSON (or not UTF-8 text).
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except json.JSONDecodeError as e:
+        raise PresetError(
+            f"{path!r} is not valid JSON: {e.msg} at line {e.lineno}, column "
+            f"{e.colno}. Expected a JSON object. Received: a file of "
+            f"{os.path.getsize(path)} bytes. Fix or re-download the file."
+        ) from e
+    except UnicodeDecodeError as e:
+        raise PresetError(
+            f"{path!r} is not UTF-8 text. Expected a JSON file. Received: "
+            f"{e}. Fix or re-download the file."
+        ) from e
+
+
+def _backbone_class_from_config(config_json: Mapping[str, Any]) -> type:
+    import keras
+    import keras_hub
+
+    class_name = config_json.get("class_name")
+    cls = getattr(keras_hub.models, str(class_name), None)
+    if cls is None and config_json.get("registered_name"):
+        cls = keras.saving.get_registered_object(config_json["registered_name"])
+    if not isinstance(cls, type):
+        raise ValueError(
+            "Expected a KerasHub backbone config.json object whose class_name "
+            "names a keras_hub.models backbone class. Received: "
+            f"class_name={class_name!r}."
+        )
+    return cls
+
+
+def backbone_config(
+    name_or_config: Any,
+    /,
+    *,
+    backbone_class: type | None = None,
+    **overrides: Any,
+) -> tuple[type, dict[str, Any], PresetEntry | None]:
+    """Resolves a named architecture or config to `(class, kwargs, entry)`.
+
+    Args:
+        name_or_config: A named architecture or alias (`"gemma_7b_en"`), a
+            `PresetEntry`, a local preset directory holding `config.json`, a
+            KerasHub `config.json` object (`{"class_name": ..., "config":
+            {...}}`), or a plain dict of backbone constructor arguments (then
+            `backbone_class` names the class).
+        backbone_class: The class for a plain dict (ignored otherwise).
+        **overrides: Constructor arguments replacing the config's, e.g.
+            `num_layers=2, dtype="bfloat16"`.
+
+    Returns:
+        `(backbone class, constructor kwargs (a fresh dict), entry or None)`.
+
+    Example:
+
+    >>> cls, config, entry = backbone_config("gemma2_7b", num_layers=2)
+    >>> cls.__name__, config["num_layers"], entry.name
+    ('GemmaBackbone', 2, 'gemma_7b_en')
+    """
+    entry = None
+    if isinstance(name_or_config, PresetEntry):
+        entry = name_or_config
+    elif is_preset_dir(name_or_config):
+        name_or_config = read_json(os.path.join(os.fspath(name_or_config), CONFIG_FILE))
+    elif isinstance(name_or_config, str):
+        entry = resolve(name_or_config)
+    if entry is not None:
+        cls, config = entry.backbone_class, entry.config
+    elif isinstance(name_or_config, Mapping):
+        if "class_name" in name_or_config and isinstance(
+            name_or_config.get("config"), Mapping
+        ):
+            cls = _backbone_class_from_config(name_or_config)
+            config = json.loads(json.dumps(name_or_config["config"]))
+        elif backbone_class is not None:
+            cls, config = backbone_class, dict(name_or_config)
+        else:
+            raise ValueError(
+                "Expected a named architecture, a KerasHub config.json object "
+                "(with 'class_name' and 'config'), or a plain config dict with "
+                "`backbone_class=`. Received: a dict with keys "
+                f"{sorted(name_or_config)[:8]} and no backbone_class."
+            )
+    else:
+        raise TypeError(
+            "Expected a named architecture (str), a PresetEntry, a preset "
+            "directory or a config dict. Received: "
+            f"{name_or_config!r} of type {type(name_or_config).__name__}."
+        )
+    config.update(overrides)
+    return cls, config, entry

@@ -1,0 +1,206 @@
+"""The `keras-hub-dist` command line; the package's only terminal output.
+
+```
+keras-hub-dist validate --preset gemma_7b_en --num_layers 1 --mesh 1x8
+keras-hub-dist validate --preset /path/to/preset_dir --phases load --hbm_gb 16 \\
+    --json report.json --plot memory.png
+```
+
+`validate` measures, per device, the peak and final memory of building
+(`init`) and loading (`load`) a backbone with keras_hub_dist and with stock
+KerasHub under the same `ModelParallel`, each case in a fresh process; see
+`keras_hub_dist.validate.runner` for the phases and
+`keras_hub_dist.validate.schema` for the JSON report and the exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from keras_hub_dist.validate.options import ValidateOptions
+from keras_hub_dist.validate.plot import plot_report, require_matplotlib
+from keras_hub_dist.validate.report import format_report, over_budget_lines, write_json
+from keras_hub_dist.validate.runner import run_validation
+
+__all__ = ["build_parser", "execute", "main"]
+
+
+def _add_validate_flags(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--preset",
+        default="gemma_7b_en",
+        help="A named architecture (e.g. gemma_7b_en, llama3_8b_en, gemma2_7b) or a "
+        "KerasHub preset directory. Default: %(default)s.",
+    )
+    add(
+        "--mesh",
+        default=None,
+        help="BATCHxMODEL mesh shape, e.g. 1x8 or 2x4. Default: 1xN over all N devices.",
+    )
+    add("--dtype", default=None, help="Weight dtype, e.g. bfloat16. Default: the preset's own.")
+    add(
+        "--phases",
+        default="init,load",
+        help="What to measure: init, load or init,load. Default: %(default)s.",
+    )
+    add(
+        "--num_layers",
+        "--num-layers",
+        type=int,
+        default=None,
+        help="Override the number of transformer layers (a quick, reduced-depth run).",
+    )
+    add(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Override a backbone config field (VALUE as JSON), e.g. hidden_dim=64. Repeatable.",
+    )
+    add(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Also measure stock KerasHub under the same distribution. Default: on.",
+    )
+    add("--nobaseline", dest="baseline", action="store_false", help=argparse.SUPPRESS)
+    add(
+        "--hbm_gb",
+        "--hbm-gb",
+        type=float,
+        default=None,
+        help="Memory budget per device in GiB; exit status 1 if one of our cases "
+        "exceeds it. Default: the devices' own limit where they report one.",
+    )
+    add("--json", dest="json_path", default=None, metavar="PATH", help="Write the JSON report here.")
+    add(
+        "--plot",
+        dest="plot_path",
+        default=None,
+        metavar="PATH",
+        help="Write a PNG of per-device memory over time, ours vs stock (needs matplotlib).",
+    )
+    add(
+        "--devices",
+        type=int,
+        default=None,
+        help="CPU devices to simulate in the case processes (XLA_FLAGS). Default: the "
+        "mesh size, or 8. Ignored by TPU/GPU platforms, which use their real devices.",
+    )
+    add(
+        "--interval_ms",
+        type=float,
+        default=2.0,
+        help="Memory sampling interval in milliseconds. Default: %(default)s.",
+    )
+    add(
+        "--timeout_s",
+        type=float,
+        default=1800.0,
+        help="Time limit per case process in seconds. Default: %(default)s.",
+    )
+    add(
+        "--preset_cache",
+        default=None,
+        metavar="DIR",
+        help="Keep the synthetic preset of the load phase in DIR and reuse it on the next "
+        "run. Default: a temporary directory removed afterwards.",
+    )
+    add("--quiet", action="store_true", help="No progress lines, only the table.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `keras-hub-dist` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="keras-hub-dist",
+        description="Initialize and load KerasHub LLMs straight into their shards.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    validate = commands.add_parser(
+        "validate",
+        help="Per-device memory report for init and load, ours vs stock KerasHub.",
+        description=(
+            "Measure per-device peak and final memory of initializing and loading a "
+            "backbone, with keras_hub_dist and with stock KerasHub, each case in a "
+            "fresh process."
+        ),
+    )
+    _add_validate_flags(validate)
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> ValidateOptions:
+    """`ValidateOptions` from parsed flags (raises `ValueError` on bad values)."""
+    return ValidateOptions.from_flags(
+        preset=args.preset,
+        mesh=args.mesh,
+        dtype=args.dtype,
+        phases=args.phases,
+        num_layers=args.num_layers,
+        override=args.override,
+        baseline=args.baseline,
+        hbm_gb=args.hbm_gb,
+        devices=args.devices,
+        interval_ms=args.interval_ms,
+        timeout_s=args.timeout_s,
+        preset_cache=args.preset_cache,
+    )
+
+
+def execute(
+    options: ValidateOptions,
+    *,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    quiet: bool = False,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Runs the validation, prints the table and writes the files; returns the exit code."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if plot_path:
+        # Fail now, not after minutes of measuring.
+        require_matplotlib()
+
+    def progress(message: str) -> None:
+        if not quiet:
+            print(message, file=err, flush=True)
+
+    report = run_validation(options, on_event=progress)
+    print(format_report(report), file=out, flush=True)
+    if json_path:
+        write_json(report, json_path)
+        progress(f"JSON report: {json_path}")
+    if plot_path:
+        plot_report(report, plot_path)
+        progress(f"plot: {plot_path}")
+    for line in over_budget_lines(report):
+        if line.startswith("OVER BUDGET"):
+            print(line, file=err, flush=True)
+    return int(report["exit_code"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `keras-hub-dist` console command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = options_from_args(args)
+        return execute(
+            options, json_path=args.json_path, plot_path=args.plot_path, quiet=args.quiet
+        )
+    except (ValueError, ImportError, RuntimeError) as e:
+        print(f"keras-hub-dist validate: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

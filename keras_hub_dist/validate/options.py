@@ -1,0 +1,219 @@
+"""What `keras-hub-dist validate` measures: its options and their flag forms.
+
+`ValidateOptions` holds one run's settings and checks them; `parse_mesh` and
+`parse_overrides` turn the command-line strings (`--mesh 1x8`, repeated
+`--override KEY=VALUE`) into them. Nothing here imports JAX or touches a
+device: the options are settled in the parent process, before any case runs.
+
+Example:
+
+```python
+from keras_hub_dist.validate.options import ValidateOptions
+
+options = ValidateOptions.from_flags(
+    preset="gemma_7b_en", mesh="1x8", phases="init,load", override=None,
+    num_layers=1,
+)
+options.mesh_shape, options.config_overrides()  # ((1, 8), {'num_layers': 1})
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "CASES",
+    "PHASES",
+    "ValidateOptions",
+    "parse_mesh",
+    "parse_overrides",
+]
+
+# What is measured (`init`: random initialization, `load`: a preset), and by
+# whom (`ours`: keras_hub_dist, `stock`: plain KerasHub), in report order.
+PHASES = ("init", "load")
+CASES = ("ours", "stock")
+
+
+@dataclasses.dataclass
+class ValidateOptions:
+    """What `keras-hub-dist validate` measures; see `cli.py` for the flags.
+
+    Attributes:
+        preset: A named architecture (`keras_hub_dist.presets`) or a KerasHub
+            preset directory.
+        mesh: `(batch, model)` mesh shape; default `(1, devices)`.
+        dtype: Weight dtype (e.g. "bfloat16"); default the preset's own.
+        phases: Any of "init", "load".
+        num_layers: Override of the number of transformer layers.
+        overrides: Further backbone config overrides (named architectures).
+        baseline: Also measure stock KerasHub.
+        hbm_gb: Per-device budget in GiB; default the devices' `bytes_limit`
+            where the platform reports one, else none.
+        devices: CPU devices to simulate (`XLA_FLAGS`); default the mesh size
+            or 8. Harmless on TPU/GPU, where the real devices are used.
+        interval_ms: Sampling interval of the memory sampler.
+        timeout_s: Limit per case process.
+        preset_cache: Directory to keep (and reuse) the synthetic preset in;
+            default a temporary directory removed afterwards.
+        python: Interpreter of the case processes.
+    """
+
+    preset: str = "gemma_7b_en"
+    mesh: tuple[int, int] | None = None
+    dtype: str | None = None
+    phases: tuple[str, ...] = PHASES
+    num_layers: int | None = None
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    baseline: bool = True
+    hbm_gb: float | None = None
+    devices: int | None = None
+    interval_ms: float = 2.0
+    timeout_s: float = 1800.0
+    preset_cache: str | None = None
+    python: str = sys.executable
+
+    @classmethod
+    def from_flags(
+        cls,
+        *,
+        mesh: str | None,
+        phases: str,
+        override: list[str] | None,
+        **values: Any,
+    ) -> ValidateOptions:
+        """Options from command-line strings.
+
+        Args:
+            mesh: `--mesh`, e.g. `"1x8"` (see `parse_mesh`); None for the
+                default.
+            phases: `--phases`, e.g. `"init,load"`.
+            override: The repeated `--override KEY=VALUE` values.
+            **values: The other fields of `ValidateOptions`, as they are.
+
+        Returns:
+            The checked options.
+
+        Raises:
+            ValueError: A malformed mesh, phase list or override.
+        """
+        return cls(
+            mesh=parse_mesh(mesh),
+            phases=tuple(p.strip() for p in str(phases).split(",") if p.strip()),
+            overrides=parse_overrides(override or []),
+            **values,
+        )
+
+    def __post_init__(self) -> None:
+        phases = tuple(self.phases)
+        bad = [p for p in phases if p not in PHASES]
+        if not phases or bad:
+            raise ValueError(
+                f"Expected phases among {PHASES}. Received: phases={phases}. "
+                "Use e.g. --phases init,load."
+            )
+        # Report order, whatever order the flag gave.
+        self.phases = tuple(p for p in PHASES if p in phases)
+        if self.mesh is not None:
+            self.mesh = tuple(int(m) for m in self.mesh)  # type: ignore[assignment]
+            if len(self.mesh) != 2 or min(self.mesh) < 1:
+                raise ValueError(
+                    "Expected a (batch, model) mesh of two positive sizes. "
+                    f"Received: mesh={self.mesh}."
+                )
+        if self.hbm_gb is not None and self.hbm_gb <= 0:
+            raise ValueError(f"Expected hbm_gb > 0. Received: hbm_gb={self.hbm_gb}.")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(
+                f"Expected num_layers >= 1. Received: num_layers={self.num_layers}."
+            )
+        if self.interval_ms <= 0:
+            raise ValueError(
+                f"Expected interval_ms > 0. Received: interval_ms={self.interval_ms}."
+            )
+
+    @property
+    def simulated_devices(self) -> int:
+        """CPU devices the case processes simulate: `devices`, the mesh size, or 8."""
+        if self.devices:
+            return int(self.devices)
+        return math.prod(self.mesh) if self.mesh else 8
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """The `(batch, model)` mesh: `mesh`, or `(1, simulated_devices)`."""
+        return tuple(self.mesh) if self.mesh else (1, self.simulated_devices)
+
+    def config_overrides(self) -> dict[str, Any]:
+        """The backbone config overrides, `num_layers` included (a fresh dict)."""
+        overrides = dict(self.overrides)
+        if self.num_layers is not None:
+            overrides["num_layers"] = int(self.num_layers)
+        return overrides
+
+
+def parse_mesh(text: str | None) -> tuple[int, int] | None:
+    """Parses `--mesh`: `"1x8"` -> `(1, 8)` (batch x model); `"8"` -> `(1, 8)`.
+
+    Args:
+        text: `BATCHxMODEL` (`x`, `,` or `*` between the sizes) or a single
+            model size; None or blank for the default mesh.
+
+    Returns:
+        `(batch, model)`, or None for None or blank text.
+
+    Raises:
+        ValueError: Not one or two positive integers.
+    """
+    if text is None or str(text).strip() == "":
+        return None
+    parts = re.split(r"[x,*]", str(text).strip().lower())
+    try:
+        sizes = tuple(int(p) for p in parts)
+    except ValueError:
+        sizes = ()
+    if len(sizes) == 1:
+        sizes = (1, sizes[0])
+    if len(sizes) != 2 or min(sizes) < 1:
+        raise ValueError(
+            "Expected --mesh as BATCHxMODEL, e.g. 1x8 or 2x4. "
+            f"Received: --mesh {text!r}."
+        )
+    return sizes  # type: ignore[return-value]
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """Parses repeated `--override KEY=VALUE` into config overrides.
+
+    VALUE is read as JSON (`64`, `true`, `"bfloat16"`); text that is not
+    JSON is kept as a string, so `dtype=bfloat16` needs no quotes.
+
+    Args:
+        items: e.g. `["hidden_dim=64", "dtype=bfloat16"]`.
+
+    Returns:
+        Key -> value, e.g. `{"hidden_dim": 64, "dtype": "bfloat16"}`.
+
+    Raises:
+        ValueError: An item without `=` or with an empty key.
+    """
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                "Expected --override KEY=VALUE (VALUE in JSON, e.g. 64, true, "
+                f"\"bfloat16\"). Received: --override {item!r}."
+            )
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value
+    return overrides

@@ -1,0 +1,309 @@
+"""`keras-hub-dist validate`: per-device memory of init and load, ours vs stock.
+
+Each case (ours / stock KerasHub x init / load) runs in a fresh Python process
+(`keras_hub_dist.validate.worker`) under the same `ModelParallel`, so one
+case's allocations cannot hide another's. Per device it measures the peak and
+final bytes (`memory_stats()` on TPU/GPU; on CPU, live arrays per shard plus
+the temps of the XLA programs compiled during the case), and per case the
+host peak RSS and the wall time. The parent process never touches a device.
+
+Phases:
+
+- `init`: build the backbone randomly initialized. Ours: the
+  `keras_hub_dist.<family>_backbone` factory (embedding created sharded by
+  the distributed initializers). Stock: the KerasHub class itself.
+- `load`: load a preset directory. Ours: `keras_hub_dist.load_sharded_preset`;
+  stock: `keras_hub.models.Backbone.from_preset`. For a named architecture a
+  synthetic preset (random weights) is written first, untimed.
+
+`run_validation` returns the JSON-ready report, summarized
+(`keras_hub_dist.validate.report`); its schema and exit codes are in
+`keras_hub_dist.validate.schema`.
+
+Example:
+
+```python
+from keras_hub_dist.validate.options import ValidateOptions
+from keras_hub_dist.validate.report import format_report
+from keras_hub_dist.validate.runner import run_validation
+
+report = run_validation(ValidateOptions(preset="gemma_7b_en", num_layers=1))
+print(format_report(report))
+```
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from keras_hub_dist.plan.presets import is_preset_dir
+from keras_hub_dist.plan.sizes import format_bytes
+from keras_hub_dist.validate.options import CASES, ValidateOptions
+from keras_hub_dist.validate.report import summarize
+from keras_hub_dist.validate.schema import SCHEMA_VERSION
+
+__all__ = ["child_environment", "run_validation"]
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# Kept of a failed case's log: enough for a traceback, not a whole run's noise.
+_LOG_TAIL_CHARS = 3000
+
+Event = Callable[[str], None]
+
+
+def child_environment(devices: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The case processes' environment: JAX backend and `devices` CPU devices.
+
+    Args:
+        devices: CPU devices to simulate (replaces any device count already
+            in `XLA_FLAGS`; TPU/GPU platforms ignore it).
+        base: The environment to start from; default `os.environ`.
+
+    Returns:
+        A new environment dict.
+    """
+    env = dict(os.environ if base is None else base)
+    flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags.strip()} {_DEVICE_COUNT_FLAG}={int(devices)}".strip()
+    env["KERAS_BACKEND"] = "jax"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _run_worker(
+    spec: Mapping[str, Any],
+    workdir: str,
+    label: str,
+    env: Mapping[str, str],
+    options: ValidateOptions,
+) -> dict[str, Any]:
+    """Runs one worker task in a fresh process; returns its result.
+
+    A process that fails, is killed or times out gives `{"ok": False,
+    "error": ..., "log_tail": ...}`; every result gets `returncode` and
+    `process_wall_s`.
+    """
+    spec_path = os.path.join(workdir, f"{label}.spec.json")
+    result_path = os.path.join(workdir, f"{label}.result.json")
+    log_path = os.path.join(workdir, f"{label}.log")
+    with open(spec_path, "w", encoding="utf-8") as f:
+        json.dump(spec, f)
+    start = time.perf_counter()
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.run(
+                [options.python, "-m", "keras_hub_dist.validate.worker", spec_path, result_path],
+                env=dict(env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=options.timeout_s,
+                check=False,
+            )
+            returncode = proc.returncode
+        except subprocess.TimeoutExpired:
+            returncode = -9
+            timed_out = True
+        else:
+            timed_out = False
+    elapsed = time.perf_counter() - start
+    result: dict[str, Any] = {}
+    if os.path.exists(result_path):
+        with open(result_path, encoding="utf-8") as f:
+            result = json.load(f)
+    if not result.get("ok"):
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            tail = f.read()[-_LOG_TAIL_CHARS:]
+        if timed_out:
+            error = f"timed out after {options.timeout_s:.0f} s"
+        elif returncode < 0:
+            # SIGKILL with no result file is most often the kernel's OOM killer.
+            error = f"killed by signal {-returncode}" + (
+                " (out of host memory?)" if returncode == -9 else ""
+            )
+        else:
+            error = result.get("error") or f"exited with status {returncode}"
+        result = {"ok": False, "error": error, "log_tail": result.get("traceback") or tail}
+    result["returncode"] = returncode
+    result["process_wall_s"] = elapsed
+    return result
+
+
+def _preset_cache_dir(options: ValidateOptions, workdir: str) -> str:
+    """Where the synthetic preset goes: per run, or keyed by what shapes it."""
+    if not options.preset_cache:
+        return os.path.join(workdir, "synthetic_preset")
+    key = json.dumps(
+        [options.preset, options.config_overrides(), options.dtype], sort_keys=True
+    )
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", options.preset)[:60]
+    digest = f"{_hash_text(key):016x}"[:12]
+    return os.path.join(os.path.abspath(options.preset_cache), f"{safe}-{digest}")
+
+
+def _hash_text(text: str) -> int:
+    """A stable 64-bit hash (Python's `hash` is salted per process)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def _new_report(options: ValidateOptions) -> dict[str, Any]:
+    """The report before any case ran: the options, and nulls to fill in."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": "keras-hub-dist validate",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "options": {
+            "preset": options.preset,
+            "mesh": list(options.mesh_shape),
+            "dtype": options.dtype,
+            "phases": list(options.phases),
+            "num_layers": options.num_layers,
+            "overrides": options.config_overrides(),
+            "baseline": options.baseline,
+            "hbm_gb": options.hbm_gb,
+            "devices": options.simulated_devices,
+            "interval_ms": options.interval_ms,
+        },
+        "model": None,
+        "environment": None,
+        "synthetic_preset": None,
+        "budget_bytes": None,
+        "budget_source": None,
+        "cases": [],
+    }
+
+
+def run_validation(options: ValidateOptions, on_event: Event | None = None) -> dict[str, Any]:
+    """Measures every requested case, each in a fresh process; returns the report.
+
+    Args:
+        options: What to measure.
+        on_event: Called with a one-line progress message per step.
+
+    Returns:
+        The JSON-ready, summarized report (schema:
+        `keras_hub_dist.validate.schema`).
+
+    Raises:
+        RuntimeError: The synthetic preset of the load phase could not be
+            written.
+        ValueError: Config overrides were given with a preset directory.
+    """
+    say = on_event or (lambda _msg: None)
+    env = child_environment(options.simulated_devices)
+    workdir = tempfile.mkdtemp(prefix="khd-validate-")
+    report = _new_report(options)
+    try:
+        base_spec = {
+            "preset": options.preset,
+            "overrides": options.config_overrides(),
+            "dtype": options.dtype,
+            "mesh": list(options.mesh_shape),
+            "interval_s": options.interval_ms / 1000.0,
+        }
+        preset_dir = None
+        if "load" in options.phases:
+            preset_dir, synthetic = _prepare_preset(options, base_spec, workdir, env, say)
+            report["synthetic_preset"] = synthetic
+        cases = CASES if options.baseline else ("ours",)
+        plan = [(phase, case) for phase in options.phases for case in cases]
+        for index, (phase, case) in enumerate(plan, 1):
+            step = f"[{index}/{len(plan)}] {phase} {case}"
+            say(f"{step}: running in a fresh process ...")
+            spec = {**base_spec, "task": "measure", "case": case, "phase": phase}
+            if phase == "load":
+                spec["preset_dir"] = preset_dir
+            result = _run_worker(spec, workdir, f"{phase}-{case}", env, options)
+            result.update(phase=phase, case=case)
+            result.setdefault("error", None)
+            report["cases"].append(result)
+            if result["ok"]:
+                say(
+                    f"{step}: done in {result['wall_s']:.1f} s, max device peak "
+                    f"{format_bytes(max(result['peak_per_device'].values()))}"
+                )
+            else:
+                say(f"{step}: FAILED: {result['error']}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    summarize(report, options)
+    return report
+
+
+def _prepare_preset(
+    options: ValidateOptions,
+    base_spec: Mapping[str, Any],
+    workdir: str,
+    env: Mapping[str, str],
+    say: Event,
+) -> tuple[str, dict[str, Any] | None]:
+    """The preset directory the load phase reads, written first if need be.
+
+    Returns:
+        `(preset directory, synthetic_preset entry of the report)`; the entry
+        is None for a preset directory given by the user.
+
+    Raises:
+        ValueError: Config overrides with a preset directory.
+        RuntimeError: The synthetic preset could not be written.
+    """
+    if is_preset_dir(options.preset):
+        if options.config_overrides():
+            raise ValueError(
+                "Config overrides (--num_layers, --override) cannot change a preset "
+                "directory's weights. Expected no overrides with --preset DIR and "
+                f"--phases load. Received: {options.config_overrides()}."
+            )
+        return os.path.abspath(options.preset), None
+    out_dir = _preset_cache_dir(options, workdir)
+    if is_preset_dir(out_dir):
+        # Only complete presets are ever renamed into place (see below).
+        say(f"synthetic preset: reusing {out_dir}")
+        return out_dir, {
+            "preset_dir": out_dir,
+            "writer": "reused",
+            "bytes_on_disk": _dir_bytes(out_dir),
+            "wall_s": 0.0,
+        }
+    say(f"writing a synthetic preset of {options.preset} (random weights) to {out_dir} ...")
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    partial = out_dir + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    spec = {**base_spec, "task": "write_preset", "out_dir": partial}
+    result = _run_worker(spec, workdir, "write-preset", env, options)
+    if not result.get("ok"):
+        shutil.rmtree(partial, ignore_errors=True)
+        raise RuntimeError(
+            f"Could not write a synthetic preset of {options.preset!r}: "
+            f"{result['error']}\n{result.get('log_tail', '')}"
+        )
+    os.replace(partial, out_dir)
+    say(
+        f"synthetic preset: {format_bytes(result['bytes_on_disk'])} written in "
+        f"{result['wall_s']:.1f} s by {result['writer']}"
+    )
+    return out_dir, {
+        "preset_dir": out_dir,
+        "writer": result["writer"],
+        "bytes_on_disk": result["bytes_on_disk"],
+        "wall_s": result["wall_s"],
+    }
+
+
+def _dir_bytes(path: str) -> int:
+    """Bytes of every file under `path`."""
+    return sum(
+        os.path.getsize(os.path.join(root, f))
+        for root, _, files in os.walk(path)
+        for f in files
+    )

@@ -1,0 +1,155 @@
+"""One process of a multi-process load (driven by tests/load/test_multiprocess.py).
+
+Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT
+           LOCAL_DEVICES PRESET_DIR MESH OUT_DIR
+
+Joins a `jax.distributed` job on 127.0.0.1:PORT with LOCAL_DEVICES simulated
+CPU devices (gloo collectives), loads PRESET_DIR sharded over the global mesh
+MESH ("BxM"), records every byte range this process reads from the weights
+file, runs a jitted forward pass and writes `OUT_DIR/process_<id>.json` plus
+`OUT_DIR/logits_<id>.npy`. Exits with 77 when the platform cannot run a
+multi-process JAX job (the test then skips with the message).
+"""
+
+import json
+import os
+import sys
+
+UNSUPPORTED = 77
+
+
+def main() -> None:
+    process_id, num_processes, port, local_devices = map(int, sys.argv[1:5])
+    preset, mesh_arg, out_dir = sys.argv[5:8]
+    os.environ["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={local_devices}"
+    )
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=120,
+        )
+    except Exception as error:  # noqa: BLE001 - reported to the test as a skip
+        print(f"cannot start a multi-process JAX job here: {error!r}", file=sys.stderr)
+        sys.exit(UNSUPPORTED)
+
+    import keras
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import keras_hub_dist
+
+    weights_file = os.path.realpath(os.path.join(preset, "model.weights.h5"))
+    reads: list[tuple[int, int]] = []
+    original_preadv = os.preadv
+    original_pread = os.pread
+
+    def is_weights(fd: int) -> bool:
+        return os.path.realpath(f"/proc/self/fd/{fd}") == weights_file
+
+    def recording_preadv(fd, buffers, offset, *args):
+        n = original_preadv(fd, buffers, offset, *args)
+        if is_weights(fd) and n > 0:
+            reads.append((offset, n))
+        return n
+
+    def recording_pread(fd, length, offset):
+        data = original_pread(fd, length, offset)
+        if is_weights(fd) and data:
+            reads.append((offset, len(data)))
+        return data
+
+    os.preadv, os.pread = recording_preadv, recording_pread
+    batch, model = (int(x) for x in mesh_arg.split("x"))
+    try:
+        backbone = keras_hub_dist.load_sharded_preset(
+            preset, mesh=(batch, model), progress=False
+        )
+    finally:
+        os.preadv, os.pread = original_preadv, original_pread
+
+    # Which blocks this process's devices hold, straight from the arrays.
+    held = {}
+    for variable in backbone.weights:
+        value = variable.value
+        held[variable.path] = {
+            "shape": list(value.shape),
+            "dtype": str(value.dtype),
+            "blocks": sorted(
+                {
+                    tuple(
+                        (s.start or 0, s.stop if s.stop is not None else dim)
+                        for s, dim in zip(index, value.shape)
+                    )
+                    for index in value.sharding.addressable_devices_indices_map(
+                        value.shape
+                    ).values()
+                }
+            ),
+        }
+
+    mesh = keras.distribution.distribution().device_mesh.backend_mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def to_global(x):
+        return jax.make_array_from_callback(x.shape, replicated, lambda i: x[i])
+
+    token_ids = (np.arange(16, dtype="int32").reshape(2, 8) * 7) % 256
+    inputs = {
+        "token_ids": to_global(token_ids),
+        "padding_mask": to_global(np.ones_like(token_ids)),
+    }
+    forward = jax.jit(
+        lambda trainable, non_trainable, x: backbone.stateless_call(
+            trainable, non_trainable, x
+        )[0],
+        out_shardings=replicated,
+    )
+    outputs = forward(
+        [v.value for v in backbone.trainable_variables],
+        [v.value for v in backbone.non_trainable_variables],
+        inputs,
+    )
+    np.save(
+        os.path.join(out_dir, f"logits_{process_id}.npy"),
+        np.asarray(outputs.addressable_data(0)),
+    )
+
+    # The distributed initializer under the same job: each process draws only
+    # its own devices' blocks of the table.
+    initializer = keras_hub_dist.DistributedVarianceScaling(
+        seed=5, path="token_embedding/embeddings"
+    )
+    table = initializer((256, 64))
+    drawn = {
+        ",".join(f"{i.start or 0}:{i.stop if i.stop is not None else dim}"
+                 for i, dim in zip(shard.index, table.shape)):
+            np.asarray(shard.data).tolist()
+        for shard in table.addressable_shards
+    }
+    with open(os.path.join(out_dir, f"process_{process_id}.json"), "w") as handle:
+        json.dump(
+            {
+                "process_index": jax.process_index(),
+                "process_count": jax.process_count(),
+                "device_count": jax.device_count(),
+                "local_device_ids": [d.id for d in jax.local_devices()],
+                "reads": reads,
+                "held": held,
+                "table_sharding": str(table.sharding.spec),
+                "table_blocks": drawn,
+            },
+            handle,
+        )
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

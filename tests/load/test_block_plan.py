@@ -1,0 +1,208 @@
+"""Load planning, pure: which bytes go to which (fake or real) device."""
+
+import itertools
+import math
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import MESH_SHAPES
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from fakes import FakeMesh
+
+from keras_hub_dist.formats.base import byte_runs
+from keras_hub_dist.formats.keras_h5 import DatasetInfo, dataset_source
+from keras_hub_dist.load.block_plan import (
+    DIRECT_MIN_RUN_BYTES,
+    VariableRequest,
+    block_indices,
+    plan_load,
+)
+
+SPECS = [
+    (),
+    ("model",),
+    ("model", None),
+    (None, "model"),
+    ("model", "batch"),
+    ("batch", "model"),
+    (("batch", "model"), None),
+    (("model", "batch"), None),
+    (None, None, "model"),
+    ("model", "batch", None),
+]
+
+
+def _dataset(shape, dtype=np.float32, offset=4096, name="layers/x/vars/0"):
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return dataset_source(DatasetInfo("/f.h5", name, tuple(shape), dtype, offset, nbytes))
+
+
+def _real_mesh(shape):
+    return Mesh(np.array(jax.devices()).reshape(shape), ("batch", "model"))
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
+@pytest.mark.parametrize("spec", SPECS)
+def test_block_indices_match_jax_named_sharding(mesh_shape, spec):
+    shape = (16, 24, 8)[: max(len(spec), 2)]
+    mesh = _real_mesh(mesh_shape)
+    ours = block_indices(shape, spec, mesh)
+    theirs = NamedSharding(mesh, PartitionSpec(*spec)).devices_indices_map(shape)
+    assert set(ours) == set(theirs)
+    for device, index in theirs.items():
+        expected = tuple(
+            (s.start or 0, s.stop if s.stop is not None else d)
+            for s, d in zip(index, shape)
+        )
+        assert ours[device] == expected, (device, spec)
+
+
+def test_fake_mesh_gives_the_same_blocks_as_a_real_one():
+    fake = block_indices((16, 8), ("model", "batch"), FakeMesh({"batch": 2, "model": 4}))
+    real = block_indices((16, 8), ("model", "batch"), _real_mesh((2, 4)))
+    assert {d.id: i for d, i in fake.items()} == {d.id: i for d, i in real.items()}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_byte_runs_cover_exactly_the_block(seed):
+    rng = np.random.default_rng(seed)
+    ndim = int(rng.integers(1, 5))
+    shape = tuple(int(x) for x in rng.integers(1, 7, size=ndim))
+    index = []
+    for d in shape:
+        a = int(rng.integers(0, d))
+        b = int(rng.integers(a + 1, d + 1))
+        index.append((a, b))
+    index = tuple(index)
+    array = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+    offset = 100
+    blob = np.zeros(offset, np.uint8).tobytes() + array.tobytes()
+    runs = byte_runs(shape, 4, index, offset)
+    got = b"".join(blob[o : o + n] for o, n in runs)
+    expected = array[tuple(slice(a, b) for a, b in index)]
+    assert np.array_equal(np.frombuffer(got, np.float32).reshape(expected.shape), expected)
+    assert runs.nbytes == expected.nbytes
+    assert runs.num_runs == len(list(runs))
+
+
+def test_byte_runs_row_block_is_one_run_and_column_block_one_per_row():
+    rows = byte_runs((8, 6), 4, ((2, 4), (0, 6)), 0)
+    assert (rows.num_runs, rows.offset, rows.run_bytes) == (1, 2 * 6 * 4, 2 * 6 * 4)
+    cols = byte_runs((8, 6), 4, ((0, 8), (3, 6)), 0)
+    assert (cols.num_runs, cols.run_bytes) == (8, 12)
+    whole = byte_runs((8, 6), 4, ((0, 8), (0, 6)), 40)
+    assert (whole.num_runs, whole.offset, whole.nbytes) == (1, 40, 192)
+    scalar = byte_runs((), 2, (), 8)
+    assert (scalar.num_runs, scalar.nbytes) == (1, 2)
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
+def test_replicated_variable_is_read_once_per_host(mesh_shape):
+    mesh = FakeMesh(dict(zip(("batch", "model"), mesh_shape)))
+    ds = _dataset((64,))
+    plan = plan_load([VariableRequest("norm/scale", ds, (None,), np.float32)], mesh)
+    (var,) = plan.variables
+    assert var.replicated
+    assert len(var.blocks) == 1
+    assert var.blocks[0].device_ids == tuple(range(8))
+    assert var.read_bytes == ds.nbytes
+    assert plan.device_bytes() == {d: ds.nbytes for d in range(8)}
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
+@pytest.mark.parametrize("spec", [("model", None), (None, "model"), ("model", "batch")])
+def test_each_byte_is_read_once_and_every_device_gets_its_share(mesh_shape, spec):
+    mesh = FakeMesh(dict(zip(("batch", "model"), mesh_shape)))
+    ds = _dataset((64, 32))
+    plan = plan_load([VariableRequest("k", ds, spec, np.float32)], mesh)
+    (var,) = plan.variables
+    axes = {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+    parts = math.prod(dict(zip(("batch", "model"), mesh_shape))[a] for a in axes)
+    assert len(var.blocks) == parts
+    assert sum(len(b.device_ids) for b in var.blocks) == 8
+    assert sum(b.runs.nbytes for b in var.blocks) == ds.nbytes
+    assert var.read_bytes == ds.nbytes
+    assert plan.device_bytes() == {d: ds.nbytes // parts for d in range(8)}
+
+
+def test_cast_changes_device_bytes_not_read_bytes():
+    mesh = FakeMesh({"batch": 1, "model": 8})
+    ds = _dataset((64, 32), np.float32)
+    plan = plan_load(
+        [VariableRequest("k", ds, ("model", None), ml_dtypes.bfloat16)], mesh
+    )
+    assert plan.read_bytes == ds.nbytes
+    assert plan.device_bytes() == {d: ds.nbytes // 16 for d in range(8)}
+    assert plan.variables[0].target_dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def test_strategies():
+    mesh = FakeMesh({"batch": 1, "model": 8})
+    rows = plan_load([VariableRequest("a", _dataset((64, 32)), ("model", None), np.float32)], mesh)
+    assert rows.variables[0].strategy == "direct"
+    cols = plan_load([VariableRequest("b", _dataset((64, 32)), (None, "model"), np.float32)], mesh)
+    var = cols.variables[0]
+    assert var.strategy == "scatter"
+    assert var.read_bytes == 64 * 32 * 4
+    # Long runs are read directly even when split along the last axis.
+    wide = _dataset((4, 8 * DIRECT_MIN_RUN_BYTES // 4))
+    long_runs = plan_load([VariableRequest("c", wide, (None, "model"), np.float32)], mesh)
+    assert long_runs.variables[0].strategy == "direct"
+    chunked = dataset_source(
+        DatasetInfo("/f.h5", "d", (64, 32), np.dtype(np.float32), None, 64 * 32 * 4)
+    )
+    h5 = plan_load([VariableRequest("d", chunked, (None, "model"), np.float32)], mesh)
+    assert h5.variables[0].strategy == "read"
+    assert all(b.runs is None for b in h5.variables[0].blocks)
+
+
+@pytest.mark.parametrize("num_processes", [2, 4])
+def test_each_process_plans_only_its_own_devices(num_processes):
+    mesh = FakeMesh({"batch": 1, "model": 8}, num_processes=num_processes)
+    sharded = _dataset((64, 32), name="a")
+    replicated = _dataset((32,), offset=999_999, name="b")
+    requests = [
+        VariableRequest("emb", sharded, ("model", None), np.float32),
+        VariableRequest("norm", replicated, (None,), np.float32),
+    ]
+    seen_devices = set()
+    read_ranges = []
+    for p in range(num_processes):
+        plan = plan_load(requests, mesh, process_index=p)
+        emb, norm = plan.variables
+        devices = {d for b in emb.blocks for d in b.device_ids}
+        assert all(mesh.devices.flat[d].process_index == p for d in devices)
+        assert len(devices) == 8 // num_processes
+        seen_devices |= devices
+        assert emb.read_bytes == sharded.nbytes // num_processes
+        read_ranges += [r for b in emb.blocks for r in b.runs]
+        # Replicated: read once per process, copied to its local devices.
+        assert len(norm.blocks) == 1
+        assert norm.read_bytes == replicated.nbytes
+        assert len(norm.blocks[0].device_ids) == 8 // num_processes
+    assert seen_devices == set(range(8))
+    # Together the processes read every byte of the sharded table exactly once.
+    covered = sorted(read_ranges)
+    assert covered[0][0] == sharded.stored.offset
+    assert sum(n for _, n in covered) == sharded.nbytes
+    for (o1, n1), (o2, _) in itertools.pairwise(covered):
+        assert o1 + n1 == o2
+
+
+def test_a_process_holding_half_the_columns_reads_only_them():
+    # Two processes split the columns: each reads exactly its half of every
+    # row, never the other process's bytes.
+    mesh = FakeMesh({"batch": 1, "model": 8}, num_processes=2)
+    ds = _dataset((64, 32))
+    plan = plan_load([VariableRequest("k", ds, (None, "model"), np.float32)], mesh, process_index=1)
+    var = plan.variables[0]
+    assert var.strategy == "scatter"
+    assert var.read_bytes == ds.nbytes // 2
+    runs = sorted(r for b in var.blocks for r in b.runs)
+    assert sum(n for _, n in runs) == ds.nbytes // 2
+    row = 32 * 4
+    assert all((o - ds.stored.offset) % row >= row // 2 for o, _ in runs)

@@ -1,0 +1,169 @@
+"""Loading under `jax.distributed` with several processes on this machine.
+
+Each process gets a share of 8 simulated CPU devices and joins a job over
+loopback (gloo collectives). The checks: every process read exactly the byte
+ranges its own devices hold (replicated blocks once per process, nothing
+twice), the global model is one model, and a jitted forward pass gives the
+single-process logits.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+
+import keras_hub_dist
+from keras_hub_dist.formats.keras_h5 import build_index
+
+WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
+TIME_LIMIT_S = 240
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="needs Linux (/proc) and loopback"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_preset(tmp_path_factory):
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=256, num_layers=2, num_query_heads=8,
+        num_key_value_heads=4, hidden_dim=64, intermediate_dim=128,
+    )
+    path = tmp_path_factory.mktemp("mp") / "tiny_llama"
+    backbone.save_to_preset(str(path))
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _run_job(preset, num_processes, local_devices, mesh, out_dir):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), str(num_processes), str(port),
+             str(local_devices), preset, mesh, str(out_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            start_new_session=True,
+        )
+        for i in range(num_processes)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=TIME_LIMIT_S))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {num_processes}-process job did not finish in {TIME_LIMIT_S} s")
+    finally:
+        for proc in procs:  # never leave a process behind
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    codes = [proc.returncode for proc in procs]
+    if 77 in codes:
+        pytest.skip(outputs[codes.index(77)][1].strip().splitlines()[-1])
+    for code, (_, err) in zip(codes, outputs):
+        assert code == 0, err[-3000:]
+    return [
+        json.loads((out_dir / f"process_{i}.json").read_text())
+        for i in range(num_processes)
+    ]
+
+
+def _merge(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(m) for m in merged]
+
+
+def _block_byte_ranges(dataset, block):
+    """File byte ranges of a row-major block of a contiguous dataset."""
+    shape, itemsize = dataset.shape, dataset.dtype.itemsize
+    flat = np.arange(int(np.prod(shape)) or 1).reshape(shape or ())
+    elements = flat[tuple(slice(a, b) for a, b in block)].reshape(-1)
+    return _merge((dataset.offset + e * itemsize, dataset.offset + (e + 1) * itemsize)
+                  for e in elements)
+
+
+def _reference_logits(preset, mesh):
+    batch, model = (int(x) for x in mesh.split("x"))
+    backbone = keras_hub_dist.load_sharded_preset(preset, mesh=(batch, model),
+                                                  progress=False)
+    token_ids = (np.arange(16, dtype="int32").reshape(2, 8) * 7) % 256
+    outputs = backbone({"token_ids": token_ids, "padding_mask": np.ones_like(token_ids)})
+    return np.asarray(outputs)
+
+
+@pytest.mark.parametrize(
+    "num_processes,local_devices,mesh",
+    [(2, 4, "1x8"), (2, 4, "2x4"), (4, 2, "1x8")],
+)
+def test_each_process_reads_only_its_shards(
+    tiny_preset, tmp_path, num_processes, local_devices, mesh
+):
+    reports = _run_job(tiny_preset, num_processes, local_devices, mesh, tmp_path)
+    index = {e.path: e.source.dataset for e in build_index(
+        keras_hub.models.Backbone.from_preset(tiny_preset),
+        os.path.join(tiny_preset, "model.weights.h5"),
+    ).entries}
+    file_bytes = sum(d.nbytes for d in index.values())
+    seen_devices = []
+    for process_id, report in enumerate(reports):
+        assert report["process_index"] == process_id
+        assert report["process_count"] == num_processes
+        assert report["device_count"] == 8
+        assert len(report["local_device_ids"]) == local_devices
+        seen_devices += report["local_device_ids"]
+        expected = []
+        expected_bytes = 0
+        for path, held in report["held"].items():
+            dataset = index[path]
+            for block in held["blocks"]:
+                ranges = _block_byte_ranges(dataset, block)
+                expected += ranges
+                expected_bytes += sum(b - a for a, b in ranges)
+        read = [(offset, offset + n) for offset, n in report["reads"]]
+        # Every byte its devices hold, nothing else, and nothing twice.
+        assert _merge(read) == _merge(expected), f"process {process_id}"
+        assert sum(n for _, n in report["reads"]) == expected_bytes
+        if mesh == "1x8":  # the model axis spans the processes
+            assert expected_bytes < file_bytes
+    assert len(set(seen_devices)) == 8  # disjoint local devices, one global mesh
+
+    reference = _reference_logits(tiny_preset, mesh)
+    for process_id in range(num_processes):
+        logits = np.load(tmp_path / f"logits_{process_id}.npy")
+        np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)
+
+    # Distributed initializer: each process drew its blocks of the one table,
+    # bitwise the single-process draw under the same layout.
+    with keras.distribution.distribution().scope():
+        table = np.asarray(keras_hub_dist.DistributedVarianceScaling(
+            seed=5, path="token_embedding/embeddings")((256, 64)))
+    blocks_seen = set()
+    for report in reports:
+        assert report["table_sharding"] == reports[0]["table_sharding"]
+        for block, values in report["table_blocks"].items():
+            (r0, r1), (c0, c1) = (map(int, b.split(":")) for b in block.split(","))
+            np.testing.assert_array_equal(np.asarray(values, np.float32),
+                                          table[r0:r1, c0:c1])
+            blocks_seen.add((r0, r1, c0, c1))
+    assert sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in blocks_seen) == 256 * 64
+

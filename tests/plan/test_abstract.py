@@ -1,0 +1,158 @@
+"""Abstract backbones: built with no weights, counted and sized per device."""
+
+import time
+import warnings
+
+import jax
+import keras
+import keras_hub
+import numpy as np
+import pytest
+from conftest import MESH_SHAPES
+
+import keras_hub_dist
+from keras_hub_dist import _compat
+from keras_hub_dist.validate import memory
+from keras_hub_dist.plan import presets
+from keras_hub_dist.plan.abstract import per_device_bytes
+from keras_hub_dist.plan.mesh import abstract_device_mesh
+
+
+def _live_bytes() -> int:
+    return sum(memory.live_bytes_per_device().values())
+
+
+@pytest.mark.parametrize("name", presets.names())
+def test_parameter_count_equals_kerashub_published_metadata(name):
+    entry = presets.resolve(name)
+    before = _live_bytes()
+    report = keras_hub_dist.abstract_backbone(name)
+    published = entry.backbone_class.presets[entry.params_preset]["metadata"]
+    assert report.parameter_count == published["params"] == entry.parameter_count
+    assert report.parameter_count == report.model.count_params()
+    assert type(report.model) is entry.backbone_class
+    assert report.name == entry.name
+    # Nothing allocated: no weight has a value, no device bytes appeared.
+    assert not any(v._value is not None for v in report.model.weights)
+    assert _live_bytes() - before < 1 << 20
+    dtype = entry.config["dtype"]["config"]["name"]
+    itemsize = np.dtype(jax.numpy.dtype(dtype)).itemsize
+    assert report.bytes_by_dtype == {dtype: report.parameter_count * itemsize}
+    assert report.total_bytes == report.parameter_count * itemsize
+
+
+def test_27b_is_built_in_seconds_without_memory():
+    rss_before = memory.current_rss_bytes()
+    live_before = _live_bytes()
+    start = time.perf_counter()
+    report = keras_hub_dist.abstract_backbone("gemma2_27b_en", mesh=(1, 16))
+    seconds = time.perf_counter() - start
+    assert report.parameter_count == 27_227_128_320
+    assert seconds < 20, seconds
+    assert _live_bytes() - live_before < 1 << 20
+    # 54 GB of bf16 weights; the process grows by Python objects only.
+    assert memory.current_rss_bytes() - rss_before < 1 << 30
+    assert report.mesh_axis_sizes == {"batch": 1, "model": 16}
+    assert len(report.per_device_bytes) == 16
+    # Everything in Gemma 2 27B divides 16 ways except the norm scales.
+    norms = sum(
+        s.nbytes for s in report.variables if s.path.endswith("/scale")
+    )
+    assert report.max_device_bytes == (report.total_bytes - norms) // 16 + norms
+    assert report.layout_report.checked and report.layout_report.fallbacks == ()
+
+
+def test_overrides_and_dtype():
+    report = keras_hub_dist.abstract_backbone(
+        "gemma2_7b", num_layers=2, dtype="float32"
+    )
+    assert report.name == "gemma_7b_en" and report.config["num_layers"] == 2
+    expected = 256000 * 3072 + 3072 + 2 * 276_830_208
+    assert report.parameter_count == expected
+    assert report.bytes_by_dtype == {"float32": 4 * expected}
+    with pytest.raises(ValueError, match="fully-defined"):
+        keras_hub_dist.abstract_backbone("gemma_2b_en", head_dim=None)
+
+
+def test_abstract_model_traces_but_refuses_eager_reads():
+    report = keras_hub_dist.abstract_backbone(
+        "qwen3_0.6b_en", num_layers=1, dtype="float32"
+    )
+    model = report.model
+    spec = model.compute_output_spec(
+        {
+            "token_ids": keras.KerasTensor((2, 8), "int32"),
+            "padding_mask": keras.KerasTensor((2, 8), "int32"),
+        }
+    )
+    assert tuple(spec.shape) == (2, 8, 1024)
+    with pytest.raises(RuntimeError) as info:
+        model.token_embedding.embeddings.value
+    message = str(info.value)
+    assert "token_embedding/embeddings" in message and "(151936, 1024)" in message
+    assert "Expected symbolic use only" in message
+
+
+def test_no_global_state_left_behind():
+    with keras.StatelessScope(initialize_variables=False):
+        sentinel = keras.Variable(initializer="zeros", shape=(3,), name="sentinel")
+    pending = _compat._keras_global_state.get_global_attribute(
+        "uninitialized_variables"
+    )
+    try:
+        assert [id(v) for v in pending] == [id(sentinel)]
+        keras_hub_dist.abstract_backbone("gemma_2b_en", num_layers=1)
+        # Raises after the embedding variables were created.
+        with pytest.raises(ValueError, match="fully-defined"):
+            keras_hub_dist.abstract_backbone("gemma_2b_en", head_dim=None)
+        after = _compat._keras_global_state.get_global_attribute(
+            "uninitialized_variables"
+        )
+        assert [id(v) for v in after] == [id(sentinel)]
+        assert not _compat.in_stateless_scope()
+        assert sentinel._value is None
+    finally:
+        _compat._keras_global_state.set_global_attribute(
+            "uninitialized_variables", []
+        )
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
+def test_per_device_bytes_equal_a_real_sharded_model(mesh_shape):
+    """The abstract figure equals the bytes the built model's shards hold."""
+    config = dict(
+        vocabulary_size=256, num_layers=2, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=32, intermediate_dim=64, head_dim=8,
+    )
+    cls = keras_hub.models.Qwen3Backbone
+    report = keras_hub_dist.abstract_backbone(config, backbone_class=cls)
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), jax.devices())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", keras_hub_dist.LayoutFallbackWarning)
+        layout_map = keras_hub_dist.get_layout_map(report, mesh)
+    sized = report.on_mesh(mesh, layout_map)
+    assert sized.per_device_bytes == per_device_bytes(
+        report.variables, mesh, layout_map
+    )
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+    with distribution.scope():
+        model = keras_hub_dist.qwen3_backbone(config)
+    measured = {device.id: 0 for device in jax.devices()}
+    for variable in model.weights:
+        for shard in variable.value.addressable_shards:
+            measured[shard.device.id] += shard.data.nbytes
+    assert sized.per_device_bytes == measured
+    assert sized.max_device_bytes == max(measured.values())
+    assert sized.max_device_bytes < report.total_bytes
+
+
+def test_invalid_layout_is_caught_from_shapes():
+    report = keras_hub_dist.abstract_backbone("gemma_2b_en")
+    mesh = abstract_device_mesh((1, 8))
+    stock = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    with pytest.raises(keras_hub_dist.LayoutError) as info:
+        report.on_mesh(mesh, stock)
+    assert "decoder_block_0/attention/key/kernel" in str(info.value)
+    assert "(1, 2048, 256)" in str(info.value)

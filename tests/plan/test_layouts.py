@@ -1,0 +1,178 @@
+"""Layout maps: KerasHub's reused, ours for Gemma3/Qwen3/Mistral, fallbacks."""
+
+import warnings
+
+import jax
+import keras
+import keras_hub
+import numpy as np
+import pytest
+
+import keras_hub_dist
+from keras_hub_dist.plan import specs as spec_lib
+from keras_hub_dist.plan import layouts
+from keras_hub_dist.plan import presets
+from keras_hub_dist.plan.abstract import per_device_bytes
+from keras_hub_dist.plan.abstract import variable_specs
+from keras_hub_dist.plan.mesh import abstract_device_mesh
+
+MODEL_AXES = [1, 2, 4, 8, 16]
+
+
+def _quiet_map(*args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", keras_hub_dist.LayoutFallbackWarning)
+        return keras_hub_dist.get_layout_map(*args, **kwargs)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", presets.names())
+def test_every_map_is_valid_for_every_named_architecture(name, batch):
+    """Model axes 1..16, from shapes alone: every variable's layout divides."""
+    specs = variable_specs(name)
+    for model in MODEL_AXES:
+        mesh = abstract_device_mesh((batch, model))
+        layout_map = _quiet_map(name, mesh)
+        report = layout_map.report
+        assert report.checked and report.num_variables == len(specs)
+        fell_back = {f.path: f for f in report.fallbacks}
+        for spec in specs:
+            layout = layout_map[spec.path]
+            if layout is None:
+                continue
+            spec_lib.validate_spec(spec.path, spec.shape, layout.axes, mesh)
+            if spec.path in fell_back:
+                assert tuple(layout.axes) == fell_back[spec.path].used
+        if model == 1 and batch == 1:
+            assert report.fallbacks == ()
+        # Fallbacks move the axis rather than replicate wherever they can:
+        # the big architectures stay within 2% of a perfect 1/N split.
+        if model * batch >= 2 and presets.resolve(name).parameter_count > 6e9:
+            total = sum(spec.nbytes for spec in specs)
+            per_device = per_device_bytes(specs, mesh, layout_map)
+            assert max(per_device.values()) <= 1.02 * total / (model * batch)
+
+
+def test_kerashub_gemma_map_fails_where_ours_falls_back():
+    mesh = abstract_device_mesh((1, 8))
+    stock = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    for name, kv_heads in (("gemma_2b_en", 1), ("gemma2_2b_en", 4)):
+        key = next(s for s in variable_specs(name) if s.path.endswith("key/kernel"))
+        assert key.shape[0] == kv_heads
+        with pytest.raises(keras_hub_dist.LayoutError, match="does not divide"):
+            spec_lib.validate_spec(key.path, key.shape, stock[key.path].axes, mesh)
+        with pytest.warns(keras_hub_dist.LayoutFallbackWarning) as record:
+            layout_map = keras_hub_dist.get_layout_map(name, mesh)
+        report = layout_map.report
+        assert report.source == "keras_hub" and report.family == "gemma"
+        paths = {f.path for f in report.fallbacks}
+        layers = presets.resolve(name).config["num_layers"]
+        assert paths == {
+            f"decoder_block_{i}/attention/{kind}/kernel"
+            for i in range(layers) for kind in ("key", "value")
+        }
+        fallback = report.fallbacks[0]
+        assert fallback.requested == ("model", "batch", None)
+        assert fallback.used == (None, "batch", "model")
+        assert fallback.replicated_axes == ()
+        assert f"dimension 0 ({kv_heads})" in fallback.reason
+        message = str(record[0].message)
+        assert "decoder_block_0/attention/key/kernel" in message
+        assert "(None, 'batch', 'model')" in message
+
+
+def test_rules_reuse_kerashub_maps_and_add_ours():
+    mesh = abstract_device_mesh((2, 4))
+    for cls in (
+        keras_hub.models.GemmaBackbone,
+        keras_hub.models.LlamaBackbone,
+        keras_hub.models.Llama3Backbone,
+        keras_hub.models.QwenBackbone,
+    ):
+        stock = cls.get_layout_map(mesh)
+        ours = keras_hub_dist.get_layout_map(cls, mesh)
+        assert ours.report.source == "keras_hub" and not ours.report.checked
+        for key in stock:
+            assert ours[key].axes == stock[key].axes
+        assert set(ours) == set(stock) | {"token_embedding/reverse_embeddings"}
+    gemma = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    gemma3 = keras_hub_dist.get_layout_map(keras_hub.models.Gemma3Backbone, mesh)
+    assert gemma3.report.source == "keras_hub_dist"
+    assert {k: gemma3[k].axes for k in gemma} == {k: gemma[k].axes for k in gemma}
+    llama = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    for cls in (keras_hub.models.Qwen3Backbone, keras_hub.models.MistralBackbone):
+        ours = keras_hub_dist.get_layout_map(cls, mesh)
+        assert {k: ours[k].axes for k in llama} == {k: llama[k].axes for k in llama}
+    assert "not checked" in gemma3.report.summary()
+
+
+def test_custom_axis_names_and_mesh_kinds():
+    mesh = keras.distribution.DeviceMesh((2, 4), ("data", "tp"), jax.devices())
+    layout_map = _quiet_map(
+        "qwen3_0.6b_en", mesh, model_parallel_dim_name="tp",
+        data_parallel_dim_name="data",
+    )
+    assert layout_map["token_embedding/embeddings"].axes == ("tp", "data")
+    assert layout_map.device_mesh is mesh
+    jax_mesh = jax.sharding.Mesh(
+        np.array(jax.devices()).reshape(2, 4), ("batch", "model")
+    )
+    from_jax = _quiet_map("qwen3_0.6b_en", jax_mesh)
+    from_dict = _quiet_map("qwen3_0.6b_en", {"batch": 2, "model": 4})
+    assert [f.path for f in from_jax.report.fallbacks] == [
+        f.path for f in from_dict.report.fallbacks
+    ]
+    assert from_dict.report.mesh_axis_sizes == {"batch": 2, "model": 4}
+
+
+def test_bad_inputs_have_clear_errors():
+    mesh = abstract_device_mesh((1, 8))
+    with pytest.raises(keras_hub_dist.LayoutError) as info:
+        keras_hub_dist.get_layout_map("gemma_7b_en", mesh, model_parallel_dim_name="tp")
+    assert "'tp'" in str(info.value) and "Expected one of ['batch', 'model']" in str(
+        info.value
+    )
+    with pytest.raises(keras_hub_dist.LayoutError, match="Phi3Backbone"):
+        keras_hub_dist.get_layout_map(keras_hub.models.Phi3Backbone, mesh)
+    with pytest.raises(keras_hub_dist.UnknownPresetError, match="gemma_7b"):
+        keras_hub_dist.get_layout_map("gemma_7", mesh)
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        keras_hub_dist.get_layout_map("gemma_7b_en", "1x8")
+    with pytest.raises(keras_hub_dist.LayoutError, match="positive size"):
+        abstract_device_mesh((0, 8))
+
+
+def test_fallback_axes_moves_merges_or_replicates():
+    sizes = {"batch": 2, "model": 8}
+    # Move to the largest free dimension that divides.
+    assert layouts._fallback_axes((4, 2304, 256), ("model", "batch", None), sizes) == (
+        None, "batch", "model",
+    )
+    # No free dimension divides: merge into a sharded one.
+    assert layouts._fallback_axes((3, 32), ("model", "batch"), sizes) == (
+        None, ("batch", "model"),
+    )
+    # Nothing divides: replicate along that axis, keep the rest.
+    assert layouts._fallback_axes((3, 6), ("model", "batch"), sizes) == (None, "batch")
+
+
+def test_fallback_on_a_built_model_an_abstract_one_and_a_preset_dir(tmp_path):
+    config = dict(
+        vocabulary_size=64, num_layers=1, num_query_heads=4, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, head_dim=8,
+    )
+    model = keras_hub.models.GemmaBackbone(**config)
+    abstract = keras_hub_dist.abstract_backbone(
+        config, backbone_class=keras_hub.models.GemmaBackbone
+    )
+    mesh = abstract_device_mesh((1, 4))  # 4 query heads divide, 1 KV head not
+    built_map = _quiet_map(model, mesh)
+    abstract_map = _quiet_map(abstract, mesh)
+    assert built_map.report.fallbacks == abstract_map.report.fallbacks
+    model.save_to_preset(str(tmp_path))
+    preset_map = _quiet_map(str(tmp_path), mesh)
+    assert preset_map.report.fallbacks == built_map.report.fallbacks
+    assert {f.path for f in built_map.report.fallbacks} == {
+        "decoder_block_0/attention/key/kernel",
+        "decoder_block_0/attention/value/kernel",
+    }
