@@ -7,10 +7,9 @@ touches a device, so a plan can be checked before any byte moves.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import jax
 import keras
 from jax.sharding import PartitionSpec
 
