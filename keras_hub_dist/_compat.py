@@ -36,7 +36,9 @@ __all__ = [
     "preset_file",
     "preset_has_file",
     "require_jax_backend",
+    "safetensor_loader_class",
     "set_pending_initializer",
+    "transformers_converter",
     "variable_array",
     "walk_saved_variables",
     "watch_compilations",
@@ -398,6 +400,24 @@ def _preset_utils() -> Any:
     return preset_utils
 
 
+def transformers_converter(config: dict) -> Any:
+    """KerasHub's converter module for a Transformers config's `model_type`.
+
+    Raises:
+        ValueError: KerasHub has no converter for it.
+    """
+    from keras_hub.src.utils.transformers.preset_loader import TransformersPresetLoader
+
+    return TransformersPresetLoader(None, config).converter
+
+
+def safetensor_loader_class() -> type:
+    """KerasHub's `SafetensorLoader` (what converters read tensors through)."""
+    from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
+
+    return SafetensorLoader
+
+
 def preset_file(preset: str, name: str) -> str:
     """Local path of file `name` of `preset`, downloading it if needed."""
     return _preset_utils().get_file(preset, name)
@@ -406,7 +426,6 @@ def preset_file(preset: str, name: str) -> str:
 def preset_has_file(preset: str, name: str) -> bool:
     """Whether `preset` has file `name` (remote handles may download it)."""
     return _preset_utils().check_file_exists(preset, name)
-
 
 
 def builtin_preset_names() -> list[str]:

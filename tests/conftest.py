@@ -1,5 +1,7 @@
 """Test setup: 8 simulated CPU devices and the JAX backend, before any import."""
 
+import contextlib
+import gc
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -42,3 +44,24 @@ def make_model_parallel(mesh_shape, layout_entries=None):
     return keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name="batch"
     )
+
+
+@pytest.fixture
+def clean_state():
+    """Fails the test if a failed load leaves device memory, a distribution
+    or a deferred variable behind: use as `with clean_state(): load(...)`."""
+
+    @contextlib.contextmanager
+    def check():
+        from keras_hub_dist import _compat
+        from keras_hub_dist.validate import memory
+
+        gc.collect()
+        baseline = sum(memory.live_bytes_per_device().values())
+        yield
+        gc.collect()
+        assert keras.distribution.distribution() is None
+        assert _compat.deferred_variables() == []
+        assert sum(memory.live_bytes_per_device().values()) <= baseline + 1024
+
+    return check

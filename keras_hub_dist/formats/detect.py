@@ -11,13 +11,14 @@ from types import ModuleType
 from typing import Any
 
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.formats import keras_h5
+from keras_hub_dist.formats import huggingface, keras_h5
 
 __all__ = ["FORMATS", "checkpoint_format"]
 
 # Each module has `FORMAT`, `recognizes(config)`,
-# `backbone_config(config, label)` and `index_checkpoint(model, ref, label)`.
-FORMATS: tuple[ModuleType, ...] = (keras_h5,)
+# `backbone_config(config, label)` and
+# `index_checkpoint(model, ref, label, config)`.
+FORMATS: tuple[ModuleType, ...] = (keras_h5, huggingface)
 
 
 def checkpoint_format(config: Mapping[str, Any], label: str) -> ModuleType:
@@ -29,10 +30,9 @@ def checkpoint_format(config: Mapping[str, Any], label: str) -> ModuleType:
     for module in FORMATS:
         if module.recognizes(config):
             return module
-    kind = "a Transformers" if "model_type" in config else "an unknown"
     raise PresetError(
-        f"The preset {label!r} has {kind} config.json. Expected a KerasHub "
-        "(Keras-format) preset with 'registered_name', whose weights are a "
-        "`model.weights.h5`. Convert it once with "
-        "`keras_hub.models.Backbone.from_preset(...).save_to_preset(dir)`."
+        f"The preset {label!r} has a config.json of no known format. Expected a "
+        "KerasHub preset's ('registered_name', written by `save_to_preset`) or a "
+        "Hugging Face Transformers one ('model_type'). Received keys: "
+        f"{sorted(config)[:12]}."
     )

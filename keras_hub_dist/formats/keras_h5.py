@@ -513,6 +513,8 @@ def backbone_config(config: Mapping[str, Any], label: str) -> tuple[type, dict[s
     return cls, dict(config["config"])
 
 
-def index_checkpoint(model: keras.Model, ref: str, label: str) -> CheckpointIndex:
+def index_checkpoint(
+    model: keras.Model, ref: str, label: str, config: Mapping[str, Any]
+) -> CheckpointIndex:
     """Indexes and validates the preset's weights for `model` (no weight read)."""
     return build_index(model, weights_path(ref, label))

@@ -54,6 +54,7 @@ from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
+from keras_hub_dist.formats.transforms import fallbacks
 from keras_hub_dist.load.block_plan import LoadPlan, VariableRequest, plan_load
 from keras_hub_dist.load.execute import ExecuteStats, execute_plan
 from keras_hub_dist.load.report import LoadReport
@@ -106,7 +107,11 @@ def load_sharded_preset(
             handle (`"gemma_7b_en"`, `"kaggle://..."`, `"hf://..."`, resolved
             and cached by KerasHub's downloader), or a keras_hub_dist
             architecture name (`keras_hub_dist.presets.names()`, e.g.
-            `"gemma2_7b"`).
+            `"gemma2_7b"`). Hugging Face checkpoints (a directory with a
+            Transformers `config.json` and `model.safetensors` or
+            `model.safetensors.index.json` + shards, or an `"hf://owner/name"`
+            handle) load the same way, converted block by block exactly as
+            KerasHub's converter would (`keras_hub_dist.formats.huggingface`).
         mesh: `None` (all devices on the model axis: `(1, n)`), a
             `keras.distribution.DeviceMesh`, a `jax.sharding.Mesh`, a shape
             `(batch, model)` such as `(2, 4)`, or a dict such as
@@ -183,6 +188,8 @@ def load_sharded_preset(
         host_rss_start=sampler.host_start_rss,
         host_rss_peak=sampler.host_peak_rss,
         host_rss_final=sampler.host_final_rss,
+        format=index.format,
+        fallbacks=tuple(r for e in index.entries for r in fallbacks(e.source)),
     )
     return model, report
 
@@ -220,7 +227,7 @@ def _load(
     # saved policy.
     backbone, deferred = build_without_values(backbone_cls, {**backbone_config, "dtype": dtype})
     try:
-        index = checkpoint.index_checkpoint(backbone, source.ref, source.label)
+        index = checkpoint.index_checkpoint(backbone, source.ref, source.label, config)
         if layout_map is None:
             resolved_map = default_layout_map(backbone, device_mesh, model_axis, data_axis)
         else:

@@ -26,6 +26,11 @@ class LoadReport:
             sampled peak and the final bytes, minus what the device held
             when the call began.
         host_rss_start / host_rss_peak / host_rss_final: Process RSS, bytes.
+        format: The checkpoint format (`"keras_h5"`, `"huggingface"`).
+        fallbacks: Variables whose values could not be computed block by
+            block, so their whole tensor was converted on the host (one
+            tensor at a time), with the reason; empty for every family
+            keras_hub_dist is tested with.
     """
 
     preset: str
@@ -41,6 +46,8 @@ class LoadReport:
     host_rss_start: int
     host_rss_peak: int
     host_rss_final: int
+    format: str = "keras_h5"
+    fallbacks: tuple[str, ...] = ()
 
     @property
     def peak_over_final(self) -> float:
@@ -63,6 +70,7 @@ class LoadReport:
             f"  host RSS: start {self.host_rss_start / 1e9:.2f} GB, peak "
             f"{self.host_rss_peak / 1e9:.2f} GB, growth/model "
             f"{self.host_growth_over_model:.2f}",
+            *(f"  host fallback: {reason}" for reason in self.fallbacks),
             f"  {'device':>6} {'expected':>12} {'final':>12} {'peak':>12} {'peak/final':>10}",
         ]
         for d in sorted(self.final_per_device):

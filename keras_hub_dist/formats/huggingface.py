@@ -1,0 +1,386 @@
+"""Hugging Face checkpoints (config.json + safetensors), through KerasHub's
+own converters.
+
+KerasHub converts a Transformers checkpoint with one module per
+`model_type` (`keras_hub/src/utils/transformers/convert_*.py`): a config
+conversion, and `convert_weights(backbone, loader, config)`, which reads each
+file tensor whole, transforms it with NumPy and assigns it to a variable.
+This module runs that very function once, on the model built without
+values, with a loader whose tensors are `LazyArray`s and with
+`Variable.assign` recording instead of assigning. What it records per
+variable is a `TensorSource` that computes any block of the converted value
+from the bytes of that block alone. So the mapping cannot drift from
+KerasHub's: it is KerasHub's, replayed block-wise.
+
+Values the tracer cannot split into blocks:
+- gpt-oss MXFP4 experts (the converter's dequantization uses masked
+  assignment): recognized by their `*_blocks` / `*_scales` tensors and read
+  by `formats.mxfp4`, block-wise;
+- a `port_weight` hook doing something else: the hook runs on the whole
+  tensor on the host, once per block read, and `LoadReport.fallbacks` names
+  the variable;
+- anything else: a `PresetError` naming the variable.
+
+Validation, before any device memory is used: the files (headers, lengths,
+the index and its shards), every tensor the converter asks for, and every
+value's shape against the variable built from config.json.
+
+Example:
+
+```python
+backbone = keras_hub_dist.load_sharded_preset("./Qwen3-8B", mesh=(1, 8))
+backbone = keras_hub_dist.load_sharded_preset("hf://Qwen/Qwen3-8B")
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_hub_dist import _compat
+from keras_hub_dist.errors import KerasHubDistWarning, PresetError
+from keras_hub_dist.formats import keras_h5
+from keras_hub_dist.formats.base import (
+    CheckpointIndex,
+    IndexedVariable,
+    TensorSource,
+    compatible_dtypes,
+    numpy_dtype,
+)
+from keras_hub_dist.formats.lazy_numpy import LazyArray, Opaque, leaves_of
+from keras_hub_dist.formats.mxfp4 import Mxfp4Source
+from keras_hub_dist.formats.safetensors_files import (
+    SINGLE_FILE,
+    SafetensorsCheckpoint,
+    checkpoint_files,
+)
+from keras_hub_dist.formats.transforms import Constant, FullTensorFallback, view
+
+__all__ = [
+    "FORMAT",
+    "TESTED_MODEL_TYPES",
+    "UnconvertedWeightsWarning",
+    "backbone_config",
+    "index_checkpoint",
+    "recognizes",
+]
+
+FORMAT = "huggingface"
+
+# The causal-LM model types whose conversion the test suite compares with
+# stock KerasHub, bitwise. Other types KerasHub converts load the same way.
+TESTED_MODEL_TYPES = (
+    "gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss",
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+    "qwen3_5", "qwen3_5_moe", "smollm3",
+)
+
+_MAX_LISTED = 12
+
+
+class UnconvertedWeightsWarning(KerasHubDistWarning):
+    """KerasHub's converter gave no value to some trainable weights of the
+    model; they keep their initializer's values, exactly as with stock
+    `from_preset`."""
+
+
+def recognizes(config: Mapping[str, Any]) -> bool:
+    """Whether config.json is a Transformers one (`model_type`, no Keras class)."""
+    return "model_type" in config and "registered_name" not in config
+
+
+def _check_quantization(config: Mapping[str, Any], label: str) -> None:
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
+    if config.get("model_type") == "gpt_oss" and method == "mxfp4":
+        return
+    raise PresetError(
+        f"The checkpoint {label!r} is quantized (quantization_config.quant_method="
+        f"{method!r}). Expected unquantized weights (or gpt-oss's MXFP4 experts, "
+        "which are dequantized on load). Received a quantized checkpoint, which "
+        "KerasHub's converter would read as garbage weights. Load the "
+        "unquantized checkpoint, and quantize the loaded model with "
+        "`model.quantize(...)` if needed."
+    )
+
+
+def _converter(config: Mapping[str, Any], label: str) -> Any:
+    try:
+        return _compat.transformers_converter(dict(config))
+    except ValueError:
+        raise PresetError(
+            f"KerasHub cannot convert the checkpoint {label!r}: its config.json has "
+            f"model_type={config.get('model_type')!r}. Expected a model_type with a "
+            "KerasHub converter; the causal LMs keras_hub_dist is tested with: "
+            f"{', '.join(TESTED_MODEL_TYPES)}."
+        ) from None
+
+
+def backbone_config(config: Mapping[str, Any], label: str) -> tuple[type, dict[str, Any]]:
+    """`(backbone class, constructor config)`, by KerasHub's config conversion."""
+    _check_quantization(config, label)
+    converter = _converter(config, label)
+    cls = converter.backbone_cls
+    convert = converter.convert_backbone_config
+    try:
+        if len(inspect.signature(convert).parameters) != 1:
+            return cls, dict(convert(dict(config), cls))
+        return cls, dict(convert(dict(config)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise PresetError(
+            f"KerasHub's converter for model_type={config.get('model_type')!r} cannot "
+            f"read the config.json of {label!r}: {type(e).__name__}: {e}. Expected a "
+            "complete Transformers config of that model type."
+        ) from e
+
+
+class _MissingTensor(KeyError):
+    """A tensor the converter asked for is not in the checkpoint."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class _Trace:
+    """What the converter did: value per variable id, and the problems."""
+
+    def __init__(self, variables: list[Any]) -> None:
+        self.variables = {id(v): v for v in variables}
+        self.values: dict[int, Any] = {}
+        self.problems: list[str] = []
+        self.read: set[str] = set()
+
+
+def _tracing_loader(ref: str, files: SafetensorsCheckpoint, trace: _Trace) -> Any:
+    """KerasHub's `SafetensorLoader`, serving `LazyArray`s (no tensor read).
+
+    A subclass, so key resolution (`get_prefixed_key`, prefixes, the index)
+    is KerasHub's own.
+    """
+    base = _compat.safetensor_loader_class()
+
+    class TracingLoader(base):
+        def get_tensor(self, hf_weight_key: str) -> LazyArray:
+            if self.safetensor_config is None:
+                fname = self.fname if self.fname is not None else SINGLE_FILE
+            else:
+                weight_map = self.safetensor_config["weight_map"]
+                fname = weight_map.get(self.get_prefixed_key(hf_weight_key, weight_map))
+                if fname is None:
+                    in_files = [f for f, h in files.headers.items() if hf_weight_key in h.tensors]
+                    raise _MissingTensor(
+                        f"tensor {hf_weight_key!r} is missing from the index "
+                        "model.safetensors.index.json"
+                        + (f" (it is in {in_files[0]!r}; the index is stale)" if in_files else "")
+                    )
+            header = files.headers.get(fname)
+            name = self.get_prefixed_key(hf_weight_key, header) if header else hf_weight_key
+            if header is None or name not in header.tensors:
+                raise _MissingTensor(
+                    f"tensor {hf_weight_key!r} is missing from {fname!r}"
+                )
+            stored = header.tensors[name]
+            trace.read.add(name)
+            return LazyArray(
+                view(stored, stored.shape, f"tensor {name!r} of {stored.file!r}"),
+                frozenset({name}),
+            )
+
+        def port_weight(self, keras_variable: Any, hf_weight_key: str, hook_fn: Any = None) -> None:
+            try:
+                tensor = self.get_tensor(hf_weight_key)
+            except _MissingTensor as e:
+                trace.problems.append(f"{keras_variable.path}: {e.message}")
+                return
+            value: Any = tensor
+            if hook_fn:
+                shape = list(keras_variable.shape)
+                try:
+                    value = hook_fn(tensor, shape)
+                except Exception as e:  # noqa: BLE001 - reported with the tensor
+                    trace.problems.append(
+                        f"{keras_variable.path}: tensor {hf_weight_key!r} (shape "
+                        f"{list(tensor.shape)}, {tensor.dtype}) does not convert to "
+                        f"shape {shape}: {e}"
+                    )
+                    return
+                if isinstance(value, Opaque):
+                    value = FullTensorFallback(
+                        [tensor.source],
+                        lambda whole, hook=hook_fn, shape=shape: hook(whole, shape),
+                        shape,
+                        numpy_dtype(keras_variable.dtype),
+                        f"{keras_variable.path}: KerasHub's conversion hook for "
+                        f"{hf_weight_key!r} has no block-wise form; the whole tensor is "
+                        "converted on the host",
+                    )
+            keras_variable.assign(value)
+
+    return TracingLoader(ref)
+
+
+@contextlib.contextmanager
+def _recording_assignments(trace: _Trace) -> Iterator[None]:
+    """`Variable.assign` records the traced value for the model's variables.
+
+    The patch lives only while the converter runs, on the variable classes
+    of this model; other variables assign as usual.
+    """
+    classes = {type(v) for v in trace.variables.values()}
+    originals = {cls: cls.__dict__.get("assign") for cls in classes}
+
+    def make(cls: type) -> Any:
+        original = super(cls, cls).assign if originals[cls] is None else originals[cls]
+
+        def assign(self: Any, value: Any) -> Any:
+            if id(self) not in trace.variables:
+                return original(self, value)
+            trace.values[id(self)] = value
+            return value
+
+        return assign
+
+    for cls in classes:
+        cls.assign = make(cls)
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            if original is None:
+                del cls.assign
+            else:
+                cls.assign = original
+
+
+def _source_of(value: Any, variable: Any, model_type: str) -> TensorSource | str:
+    """The variable's `TensorSource`, or a problem."""
+    if isinstance(value, LazyArray):
+        return value.source
+    if isinstance(value, TensorSource):
+        return value
+    if isinstance(value, Opaque):
+        blocks = sorted(k for k in value.leaves if k.endswith("_blocks"))
+        scales = sorted(k for k in value.leaves if k.endswith("_scales"))
+        if model_type == "gpt_oss" and len(blocks) == len(scales) == 1 and len(value.leaves) == 2:
+            return ("mxfp4", blocks[0], scales[0])  # resolved by the caller
+        return (
+            f"{variable.path}: KerasHub's converter computes it from "
+            f"{sorted(value.leaves)} with operations that keras_hub_dist cannot "
+            "split into blocks"
+        )
+    try:
+        return Constant(np.asarray(value), f"a value computed by KerasHub's converter for {variable.path}")
+    except Exception:  # noqa: BLE001
+        return f"{variable.path}: the converter assigned a {type(value).__name__}"
+
+
+def _listing(items: list[str]) -> str:
+    shown = items[:_MAX_LISTED]
+    more = len(items) - len(shown)
+    return "\n  " + "\n  ".join(shown) + (f"\n  ... and {more} more" if more > 0 else "")
+
+
+def index_checkpoint(
+    model: keras.Model, ref: str, label: str, config: Mapping[str, Any]
+) -> CheckpointIndex:
+    """Traces KerasHub's converter on `model` and validates every value.
+
+    Raises:
+        PresetError: A corrupt or incomplete checkpoint, a tensor missing
+            or of the wrong shape for config.json (the message names the
+            tensor, the variable, expected and received), a value that cannot
+            be loaded block-wise.
+    """
+    files = checkpoint_files(ref, label)
+    converter = _converter(config, label)
+    saved = {id(v): v for v in keras_h5.expected_datasets(model).values()}
+    trace = _Trace(list(saved.values()))
+    with _recording_assignments(trace), _tracing_loader(ref, files, trace) as loader:
+        try:
+            converter.convert_weights(model, loader, dict(config))
+        except _MissingTensor as e:
+            trace.problems.append(e.message)
+        except Exception as e:  # noqa: BLE001 - any converter failure is the checkpoint's
+            trace.problems.append(
+                f"KerasHub's converter stopped: {type(e).__name__}: {e}"
+            )
+
+    headers = {h.file: h for h in files.headers.values()}
+    tensors = {n: t for h in headers.values() for n, t in h.tensors.items()}
+    entries, unassigned, problems = [], [], list(trace.problems)
+    seen: set[int] = set()
+    model_type = str(config.get("model_type"))
+    for variable in model.weights:
+        if id(variable) in seen or id(variable) not in saved:
+            continue
+        seen.add(id(variable))
+        if id(variable) not in trace.values:
+            # Buffers computed at build time (rotary inv_freq) are not
+            # weights; only trainable ones left random are worth a warning.
+            if variable.trainable:
+                unassigned.append(variable.path)
+            continue
+        source = _source_of(trace.values[id(variable)], variable, model_type)
+        if isinstance(source, tuple):
+            _, blocks, scales = source
+            try:
+                source = Mxfp4Source(tensors[blocks], tensors[scales])
+            except ValueError as e:
+                source = f"{variable.path}: {e}"
+        if isinstance(source, str):
+            problems.append(source)
+            continue
+        shape = tuple(int(d) for d in variable.shape)
+        dtype = numpy_dtype(variable.dtype)
+        if tuple(source.shape) != shape:
+            on_disk = ", ".join(
+                f"{n!r} of shape {list(tensors[n].shape)} in {os.path.basename(tensors[n].file)!r}"
+                for n in sorted(leaves_of(trace.values[id(variable)]))
+            )
+            problems.append(
+                f"{variable.path}: shape mismatch. Expected {shape} (from config.json). "
+                f"Received {tuple(source.shape)} after KerasHub's conversion of "
+                f"tensor {on_disk or source.description}"
+            )
+        elif not compatible_dtypes(source.dtype, dtype):
+            problems.append(
+                f"{variable.path}: dtype mismatch. Expected {dtype}. Received "
+                f"{source.dtype} from {source.description}"
+            )
+        else:
+            entries.append(IndexedVariable(variable.path, shape, dtype, source, variable))
+    if problems:
+        raise PresetError(
+            f"The Hugging Face checkpoint {label!r} does not fit the "
+            f"{type(model).__name__} that KerasHub's converter builds from its "
+            f"config.json (model_type={model_type!r}). {len(problems)} problem(s):"
+            + _listing(problems)
+            + "\nFix: use the config.json that came with these weights, or "
+            "download the checkpoint again."
+        )
+    if unassigned:
+        warnings.warn(
+            f"KerasHub's converter for model_type={model_type!r} assigns no value to "
+            f"{len(unassigned)} weight(s) of {type(model).__name__}; they keep their "
+            "initial values, as with stock `from_preset`:" + _listing(unassigned),
+            UnconvertedWeightsWarning,
+            stacklevel=3,
+        )
+    used = {t for h in headers.values() for n, t in h.tensors.items() if n in trace.read}
+    return CheckpointIndex(
+        files=files.files,
+        entries=tuple(entries),
+        total_bytes=sum(t.nbytes for t in used),
+        format=FORMAT,
+    )

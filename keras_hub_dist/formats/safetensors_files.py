@@ -1,0 +1,223 @@
+"""Safetensors files: headers, shards and the index, validated.
+
+A safetensors file is an 8-byte little-endian header length `n`, `n` bytes of
+JSON (`{name: {"dtype", "shape", "data_offsets": [begin, end]}}`, offsets
+relative to the end of the header), then the raw C-order tensors. Reading
+the header alone gives every tensor's exact byte range, so the loader can
+read any block of any tensor without touching the rest of the file, and
+can check that every tensor lies inside the file before a byte of weights is
+read.
+
+A Hugging Face checkpoint is either one `model.safetensors` or a
+`model.safetensors.index.json` whose `weight_map` names the shard file of
+each tensor.
+
+Example:
+
+```python
+files = checkpoint_files("./my-llama")       # local dir or "hf://owner/name"
+files.tensor("model.norm.weight").offset     # a StoredTensor
+```
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from keras_hub_dist import _compat
+from keras_hub_dist.errors import PresetError
+from keras_hub_dist.formats.base import StoredTensor
+from keras_hub_dist.plan.presets import read_json
+
+__all__ = [
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "SafetensorsCheckpoint",
+    "SafetensorsHeader",
+    "checkpoint_files",
+    "read_header",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# The safetensors library refuses larger headers; so do we, before reading.
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """One safetensors file's tensors (name -> `StoredTensor`), validated."""
+
+    file: str
+    tensors: Mapping[str, StoredTensor]
+
+    def keys(self):
+        return self.tensors.keys()
+
+
+def _corrupt(path: str, size: int, what: str) -> PresetError:
+    return PresetError(
+        f"The safetensors file {path!r} is truncated or corrupt: {what}. "
+        f"Received: a file of {size} bytes. Download the checkpoint again."
+    )
+
+
+def read_header(path: str) -> SafetensorsHeader:
+    """Parses and validates the header of one safetensors file.
+
+    Raises:
+        PresetError: The file is shorter than its header says, the header is
+            not valid JSON, a tensor has an unknown dtype, its byte range
+            does not match its shape, or its bytes lie past the end of the
+            file. The message names the file and the tensor.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise _corrupt(path, size, "expected an 8-byte header length")
+        (header_bytes,) = struct.unpack("<Q", prefix)
+        if header_bytes > min(size - 8, _MAX_HEADER_BYTES):
+            raise _corrupt(
+                path, size, f"the header claims {header_bytes} bytes, expected at most "
+                f"{min(size - 8, _MAX_HEADER_BYTES)}"
+            )
+        raw = f.read(header_bytes)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError(f"a JSON {type(header).__name__}, not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _corrupt(path, size, f"the header is not a JSON object ({e})") from e
+    data_start = 8 + header_bytes
+    tensors: dict[str, StoredTensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            shape = tuple(int(d) for d in shape)
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError) as e:
+            raise _corrupt(path, size, f"tensor {name!r} has a malformed header entry {entry!r}") from e
+        if dtype_name not in _DTYPES:
+            raise PresetError(
+                f"Tensor {name!r} in {path!r} has dtype {dtype_name!r}. Expected one of "
+                f"{sorted(_DTYPES)}. Received: {dtype_name!r}, which the loader cannot read."
+            )
+        dtype = _DTYPES[dtype_name]
+        nbytes = math.prod(shape) * dtype.itemsize
+        if any(d < 0 for d in shape) or begin < 0 or end - begin != nbytes:
+            raise _corrupt(
+                path, size, f"tensor {name!r} ({dtype_name}, shape {list(shape)}) needs "
+                f"{nbytes} bytes but its data_offsets are [{begin}, {end}]"
+            )
+        if data_start + end > size:
+            raise _corrupt(
+                path, size, f"tensor {name!r} ends at byte {data_start + end}, expected "
+                "a file at least that long"
+            )
+        tensors[name] = StoredTensor(path, data_start + begin, shape, dtype)
+    return SafetensorsHeader(path, tensors)
+
+
+@dataclass(frozen=True)
+class SafetensorsCheckpoint:
+    """Every safetensors file of a checkpoint, with its header.
+
+    Attributes:
+        headers: File name (relative, as the index names it) -> header.
+        weight_map: Tensor name -> file name, from the index; `None` for a
+            single `model.safetensors`.
+    """
+
+    headers: Mapping[str, SafetensorsHeader]
+    weight_map: Mapping[str, str] | None
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(h.file for h in self.headers.values())
+
+    def file_of(self, name: str) -> str | None:
+        """The file name holding tensor `name` (`None`: the index lacks it)."""
+        if self.weight_map is None:
+            return SINGLE_FILE
+        return self.weight_map.get(name)
+
+
+def checkpoint_files(ref: str, label: str | None = None) -> SafetensorsCheckpoint:
+    """Finds, fetches (for remote handles) and validates a checkpoint's files.
+
+    Raises:
+        PresetError: No `model.safetensors` nor index; an invalid index; a
+            shard the index names is missing; a tensor the index assigns to a
+            shard is not in it; a truncated or corrupt file.
+    """
+    label = label or ref
+    if _compat.preset_has_file(ref, INDEX_FILE):
+        index_path = _compat.preset_file(ref, INDEX_FILE)
+        index = read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise PresetError(
+                f"{index_path!r} is not a safetensors index. Expected a JSON object "
+                "with a 'weight_map' of tensor name -> shard file name. Received: "
+                f"{str(index)[:200]}."
+            )
+        headers = {}
+        for name in sorted(set(weight_map.values())):
+            try:
+                path = _compat.preset_file(ref, name)
+            except FileNotFoundError:
+                path = None
+            if path is None or not os.path.isfile(path):
+                raise PresetError(
+                    f"The index {index_path!r} names the shard file {name!r}, which "
+                    f"does not exist in {label!r}. Expected every shard the index "
+                    "names. Download the checkpoint again."
+                )
+            headers[name] = read_header(path)
+        for tensor, name in weight_map.items():
+            if tensor not in headers[name].tensors:
+                raise PresetError(
+                    f"The index {index_path!r} puts tensor {tensor!r} in {name!r}, but "
+                    f"that file has no such tensor. Expected the index and the shards "
+                    "of the same checkpoint."
+                )
+        return SafetensorsCheckpoint(headers, dict(weight_map))
+    if _compat.preset_has_file(ref, SINGLE_FILE):
+        path = _compat.preset_file(ref, SINGLE_FILE)
+        return SafetensorsCheckpoint({SINGLE_FILE: read_header(path)}, None)
+    raise PresetError(
+        f"The Hugging Face checkpoint {label!r} has no weights. Expected "
+        f"{SINGLE_FILE!r} or {INDEX_FILE!r} beside config.json. Received: neither."
+    )

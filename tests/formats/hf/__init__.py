@@ -1,0 +1,1 @@
+"""Tiny Hugging Face checkpoints written with numpy + safetensors (no torch)."""

@@ -1,0 +1,255 @@
+"""Hugging Face checkpoints: per-device reads, hf:// handles, the fallback,
+and every bad input named before device memory is used.
+
+Equality with stock KerasHub for every family is in
+test_huggingface_families.py; this file uses one tiny Llama.
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import keras
+import keras_hub
+import numpy as np
+import pytest
+from conftest import MESH_SHAPES
+
+from keras_hub_dist import PresetError, load_sharded_preset
+from keras_hub_dist.formats import huggingface
+from tests.formats.hf.writer import random_float, write_hf_checkpoint
+
+H, I, V, L, NH, KV, D = 64, 128, 128, 2, 8, 2, 8
+
+
+def llama_checkpoint(dtype="float32", tied=False, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def t(*shape):
+        return random_float(rng, shape, dtype)
+
+    tensors = {"model.embed_tokens.weight": t(V, H), "model.norm.weight": t(H)}
+    if not tied:
+        tensors["lm_head.weight"] = t(V, H)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": t(H), p + "post_attention_layernorm.weight": t(H),
+            p + "self_attn.q_proj.weight": t(NH * D, H), p + "self_attn.k_proj.weight": t(KV * D, H),
+            p + "self_attn.v_proj.weight": t(KV * D, H), p + "self_attn.o_proj.weight": t(H, NH * D),
+            p + "mlp.gate_proj.weight": t(I, H), p + "mlp.up_proj.weight": t(I, H),
+            p + "mlp.down_proj.weight": t(H, I),
+        })
+    config = dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=V, hidden_size=H,
+        intermediate_size=I, num_hidden_layers=L, num_attention_heads=NH,
+        num_key_value_heads=KV, head_dim=D, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=tied, max_position_embeddings=128, torch_dtype=dtype,
+    )
+    return config, tensors
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    config, tensors = llama_checkpoint()
+    return write_hf_checkpoint(str(tmp_path / "llama"), config, tensors, num_shards=2)
+
+
+def _bitwise_equal(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
+        a.view(np.uint8), b.view(np.uint8)
+    )
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
+def test_each_device_reads_only_its_block_and_memory_stays_at_the_floor(llama_dir, mesh_shape):
+    reference = keras_hub.models.Backbone.from_preset(llama_dir)
+    model, report = load_sharded_preset(
+        llama_dir, mesh=mesh_shape, memory_report=True, progress=False
+    )
+    assert report.format == "huggingface" and report.fallbacks == ()
+    # One process: each byte of the files is read once, whatever the mesh
+    # (a block several local devices share is read once).
+    assert report.bytes_read == report.file_bytes == sum(
+        os.path.getsize(os.path.join(llama_dir, f)) - _header_bytes(os.path.join(llama_dir, f))
+        for f in os.listdir(llama_dir) if f.endswith(".safetensors")
+    )
+    assert report.peak_over_final <= 1.05
+    for ref, var in zip(reference.weights, model.weights):
+        assert ref.path == var.path and _bitwise_equal(ref.value, var.value), ref.path
+        layout = var.value.sharding
+        for shard in var.value.addressable_shards:
+            assert shard.data.shape == layout.shard_shape(var.shape)
+    q = model.get_layer("transformer_layer_0")._self_attention_layer._query_dense.kernel
+    assert "model" in q.value.sharding.spec  # sharded, not replicated
+
+
+def _header_bytes(path):
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def test_hf_handle_from_the_cache(llama_dir, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--tiny-llama" / "snapshots" / ("a" * 40)
+    shutil.copytree(llama_dir, snapshot)
+    (cache / "models--someone--tiny-llama" / "refs").mkdir(parents=True)
+    (cache / "models--someone--tiny-llama" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    reference = keras_hub.models.Backbone.from_preset(llama_dir)
+    model = load_sharded_preset("hf://someone/tiny-llama", mesh=(2, 4), progress=False)
+    for ref, var in zip(reference.weights, model.weights):
+        assert _bitwise_equal(ref.value, var.value), ref.path
+
+
+def test_a_hook_without_block_form_falls_back_and_is_named(llama_dir, monkeypatch):
+    from keras_hub.src.utils.transformers import convert_llama3
+
+    original = convert_llama3.convert_weights
+
+    def convert_weights(backbone, loader, config):
+        port_weight = loader.port_weight
+
+        def rolled(keras_variable, hf_weight_key, hook_fn=None):
+            if hf_weight_key == "model.layers.1.mlp.down_proj.weight":
+                def hook_fn(tensor, shape, inner=hook_fn):  # np.roll: no block form
+                    return np.roll(inner(tensor, shape), 0, axis=0)
+            port_weight(keras_variable, hf_weight_key, hook_fn)
+
+        loader.port_weight = rolled
+        return original(backbone, loader, config)
+
+    monkeypatch.setattr(convert_llama3, "convert_weights", convert_weights)
+    reference = keras_hub.models.Backbone.from_preset(llama_dir)
+    model, report = load_sharded_preset(llama_dir, memory_report=True, progress=False)
+    assert len(report.fallbacks) == 1
+    assert "transformer_layer_1/feedforward_output_dense/kernel" in report.fallbacks[0]
+    assert "host fallback" in str(report)
+    for ref, var in zip(reference.weights, model.weights):
+        assert _bitwise_equal(ref.value, var.value), ref.path
+
+
+# --- bad inputs: a clear error naming the file or tensor, nothing left behind
+
+
+def _write(tmp_path, edit_tensors=None, edit_config=None, num_shards=2):
+    config, tensors = llama_checkpoint()
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_config:
+        edit_config(config)
+    return write_hf_checkpoint(str(tmp_path / "bad"), config, tensors, num_shards=num_shards)
+
+
+def _load_fails(path, clean_state, match):
+    with clean_state(), pytest.raises(PresetError, match=match) as info:
+        load_sharded_preset(path, progress=False)
+    return str(info.value)
+
+
+def test_tensor_missing_from_files_and_index(tmp_path, clean_state):
+    path = _write(tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), num_shards=1)
+    message = _load_fails(path, clean_state, "model.layers.1.mlp.up_proj.weight")
+    assert "missing from 'model.safetensors'" in message
+    assert "transformer_layer_1/feedforward_intermediate_dense/kernel" in message
+
+
+def test_tensor_missing_from_the_index_only(tmp_path, clean_state):
+    path = _write(tmp_path)
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    del index["weight_map"]["model.norm.weight"]
+    json.dump(index, open(index_path, "w"))
+    _load_fails(path, clean_state, r"'model.norm.weight' is missing from the index .*the index is stale")
+
+
+def test_index_naming_a_shard_that_does_not_exist(tmp_path, clean_state):
+    path = _write(tmp_path)
+    os.remove(os.path.join(path, "model-00002-of-00002.safetensors"))
+    _load_fails(path, clean_state, r"names the shard file 'model-00002-of-00002.safetensors', which does not exist")
+
+
+def test_shape_that_disagrees_with_config(tmp_path, clean_state):
+    def wrong(t):
+        t["model.layers.0.mlp.gate_proj.weight"] = t["model.layers.0.mlp.gate_proj.weight"][:96]
+
+    message = _load_fails(_write(tmp_path, wrong), clean_state, "model.layers.0.mlp.gate_proj.weight")
+    assert "Expected (64, 128)" in message and "of shape [96, 64]" in message
+    assert "transformer_layer_0/feedforward_gate_dense/kernel" in message
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header_length", "header_json", "offsets"])
+def test_truncated_or_corrupt_file(tmp_path, clean_state, damage):
+    path = _write(tmp_path, num_shards=1)
+    file = os.path.join(path, "model.safetensors")
+    data = bytearray(open(file, "rb").read())
+    header = int.from_bytes(data[:8], "little")
+    if damage == "truncated":
+        data = data[: len(data) - 100]
+    elif damage == "header_length":
+        data[:8] = (len(data) * 2).to_bytes(8, "little")
+    elif damage == "header_json":
+        data[8:12] = b"\xff\xfe{["
+    else:
+        text = data[8 : 8 + header].decode()
+        first = json.loads(text)
+        name = next(k for k in first if k != "__metadata__")
+        begin, end = first[name]["data_offsets"]
+        text = text.replace(f"[{begin},{end}]", f"[{begin},{end + 4}]", 1)
+        data[8 : 8 + header] = text.encode()
+    open(file, "wb").write(bytes(data))
+    _load_fails(path, clean_state, r"'.*model.safetensors' is truncated or corrupt")
+
+
+def test_invalid_config_json_names_the_file(tmp_path, clean_state):
+    path = _write(tmp_path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        f.write('{"model_type": "llama",\n "vocab_size": }')
+    _load_fails(path, clean_state, r"config.json' is not valid JSON.*line 2")
+
+
+def test_model_type_kerashub_cannot_convert(tmp_path, clean_state):
+    path = _write(tmp_path, edit_config=lambda c: c.update(model_type="falcon_mamba"))
+    message = _load_fails(path, clean_state, "model_type='falcon_mamba'")
+    assert all(t in message for t in ("llama", "gemma3", "qwen3_moe", "gpt_oss"))
+
+
+@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "awq", "fp8"])
+def test_quantized_checkpoint_is_refused(tmp_path, clean_state, method):
+    path = _write(tmp_path, edit_config=lambda c: c.update(quantization_config={"quant_method": method}))
+    _load_fails(path, clean_state, f"quantized \\(quantization_config.quant_method='{method}'\\).*not|Expected unquantized")
+
+
+def test_no_weights_at_all(tmp_path, clean_state):
+    path = _write(tmp_path)
+    for f in os.listdir(path):
+        if f != "config.json":
+            os.remove(os.path.join(path, f))
+    _load_fails(path, clean_state, "has no weights. Expected 'model.safetensors' or 'model.safetensors.index.json'")
+
+
+def test_untraceable_direct_assignment_is_an_error(llama_dir, clean_state, monkeypatch):
+    from keras_hub.src.utils.transformers import convert_llama3
+
+    original = convert_llama3.convert_weights
+
+    def convert_weights(backbone, loader, config):
+        original(backbone, loader, config)
+        norm = loader.get_tensor("model.norm.weight")
+        backbone.get_layer("sequence_output_layernorm").scale.assign(np.sort(norm))
+
+    monkeypatch.setattr(convert_llama3, "convert_weights", convert_weights)
+    _load_fails(llama_dir, clean_state, r"sequence_output_layernorm/scale: .*\['model.norm.weight'\].*cannot\s+split")
+
+
+def test_model_type_list_is_what_the_converters_handle():
+    import keras_hub.src.utils.transformers.preset_loader as preset_loader
+
+    for model_type in huggingface.TESTED_MODEL_TYPES:
+        preset_loader.TransformersPresetLoader(None, {"model_type": model_type})
+    assert jax.device_count() == 8 and keras.config.backend() == "jax"
