@@ -133,9 +133,18 @@ def backbone_config(config: Mapping[str, Any], label: str) -> tuple[type, dict[s
     cls = converter.backbone_cls
     convert = converter.convert_backbone_config
     try:
-        if len(inspect.signature(convert).parameters) != 1:
-            return cls, dict(convert(dict(config), cls))
-        return cls, dict(convert(dict(config)))
+        # Some conversions construct sub-models (Gemma 3/4 vision towers):
+        # built here without values, then passed on as configs, so the
+        # loader's own build creates them with everything else.
+        with _compat.creating_variables_without_values():
+            if len(inspect.signature(convert).parameters) != 1:
+                kwargs = dict(convert(dict(config), cls))
+            else:
+                kwargs = dict(convert(dict(config)))
+        return cls, {
+            k: keras.layers.serialize(v) if isinstance(v, keras.layers.Layer) else v
+            for k, v in kwargs.items()
+        }
     except (KeyError, TypeError, ValueError) as e:
         raise PresetError(
             f"KerasHub's converter for model_type={config.get('model_type')!r} cannot "

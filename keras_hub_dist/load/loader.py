@@ -245,12 +245,14 @@ def _load(
         plan = plan_load(requests, mesh_of_devices, process_index=jax.process_index())
         shardings = {path: layout.backend_layout for path, layout in layouts.items()}
         devices = {d.id: d for d in mesh_of_devices.devices.flat}
-        variables = {e.path: e.variable for e in index.entries}
+        # By plan entry, not by path: some models (SmolLM3) reuse a path
+        # in every layer; the layout, chosen by path, is the same for all.
+        variables = {id(p): e.variable for p, e in zip(plan.variables, index.entries)}
 
         # Phase 2: read and place, straight into the final shardings.
         def fill(var_plan: Any, array: jax.Array) -> None:
             _compat.materialize_deferred_variable(
-                variables[var_plan.path], array, layouts[var_plan.path]
+                variables[id(var_plan)], array, layouts[var_plan.path]
             )
 
         bar = byte_progress(plan.read_bytes, f"Loading {source.short}", progress)

@@ -71,10 +71,6 @@ def gemma_preset(tmp_path):
     return str(tmp_path / "gemma")
 
 
-def _live_total():
-    return sum(memory.live_bytes_per_device().values())
-
-
 @pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_sharded_causal_lm_equals_stock_unsharded(family, mesh_shape, family_presets, stock_reference):

@@ -4,9 +4,9 @@
 `config.json` contents and the `{HF tensor name: array}` state dict that
 `transformers`' `save_pretrained` writes for a model of that family, with every
 dimension shrunk (vocab 128, hidden 64, FFNs 64-256, 8 query / 2 key-value
-heads, 8 experts, top-2; towers of width 32) so that each checkpoint stays far
-below 1 MB and heads, FFNs and experts still split 8 ways. Write it with
-`writer.write_hf_checkpoint`.
+heads, 8 experts, top-2; towers of width 32) so that each checkpoint stays
+under 3 MB in float32 and heads, FFNs and experts still split 8 ways. Write
+it with `writer.write_hf_checkpoint`.
 
 Every published checkpoint of these families except a text-only Gemma 4 is
 multimodal (`*ForConditionalGeneration`, text under `text_config`), so the
@@ -30,7 +30,8 @@ builds and loads:
 The tensor set is exactly what those converters read: nothing they ignore
 (no `mtp.*` weights, no K/V of KV-shared Gemma 4 layers, which
 `transformers` does not instantiate), nothing they miss. Gemma 4 clip bounds
-(`*.input_min` ...) are 0-d tensors, as `transformers` stores them.
+(`*.input_min` ...) are 0-d tensors, as `transformers` stores them, and must be
+written 0-d: KerasHub's scalar variables reject shape (1,).
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ def _gemma4_text_shapes(c: dict, p: str) -> dict:
 
 def _gemma4_vision_shapes(c: dict) -> dict:
     h, hd, ps, clip = c["hidden_size"], c["head_dim"], c["patch_size"], c["use_clipped_linears"]
-    q, kv, ffn = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd, c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    ffn = c["intermediate_size"]
     v = "model.vision_tower."
     s = {v + "patch_embedder.input_proj.weight": (h, 3 * ps * ps),
          v + "patch_embedder.position_embedding_table": (2, c["position_embedding_size"], h)}
@@ -340,7 +342,7 @@ def _qwen_text_shapes(c: dict, fused: bool) -> dict:
             s[q + "self_attn.q_norm.weight"] = s[q + "self_attn.k_norm.weight"] = (hd,)
         m = q + "mlp."
         if "num_experts" in c:
-            e, mi, si = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+            e, mi = c["num_experts"], c["moe_intermediate_size"]
             s[m + "gate.weight"] = (e, HIDDEN)
             if fused:
                 s[m + "experts.gate_up_proj"] = (e, 2 * mi, HIDDEN)
@@ -350,7 +352,7 @@ def _qwen_text_shapes(c: dict, fused: bool) -> dict:
                     s[f"{m}experts.{j}.gate_proj.weight"] = (mi, HIDDEN)
                     s[f"{m}experts.{j}.up_proj.weight"] = (mi, HIDDEN)
                     s[f"{m}experts.{j}.down_proj.weight"] = (HIDDEN, mi)
-            m, ffn = m + "shared_expert.", si
+            m, ffn = m + "shared_expert.", c["shared_expert_intermediate_size"]
         else:
             ffn = c["intermediate_size"]
         s[m + "gate_proj.weight"] = s[m + "up_proj.weight"] = (ffn, HIDDEN)
@@ -399,8 +401,8 @@ def hf_checkpoint(case: str, *, tied: bool, dtype: str, seed: int = 0
     `dtype` ("float32" / "bfloat16") is the dtype of every tensor and the
     config's `dtype` (transformers >= 4.56 no longer writes `torch_dtype`).
     Values are random normal (scale 0.5) from `np.random.default_rng(seed)`,
-    a fresh draw per tensor, except Gemma 4 clip bounds, drawn as
-    -(2 + |x|) / 2 + |x| so that they bracket zero.
+    a fresh draw per tensor, except Gemma 4 clip bounds: `*_min` is -(2 + |x|)
+    and `*_max` is 2 + |x|, so that the clamps bracket zero.
     """
     if case not in CASES:
         raise ValueError(f"unknown case {case!r}; expected one of {CASES}")
