@@ -14,6 +14,12 @@ costs CPU); the wall-time ratios come from the runs without it.
 - `stock`: `keras_hub.models.Backbone.from_preset(preset)` inside the same
   `ModelParallel` (same mesh, same layout map).
 
+`--format huggingface` writes the same architecture as a Hugging Face
+checkpoint (config.json + 2 GB safetensors shards + index,
+`write_synthetic_hf_checkpoint`): stock then reads it through KerasHub's
+converter (`port_weight`: whole tensor, transform, assign), ours block by
+block; the floor reads the safetensors files.
+
 Each case is timed until every weight is resident: arrays are blocked on and
 every page of every shard is read. Per-device figures come from
 `keras_hub_dist.memory.MemorySampler` (live-array bytes per shard, sampled
@@ -39,6 +45,7 @@ Usage (heavy: run under the machine's heavy-job lock):
     flock /tmp/khd-heavy.lock python benchmarks/bench_load.py --config width1
     python benchmarks/bench_load.py --config full7b --write_only --keep
     flock /tmp/khd-heavy.lock python benchmarks/bench_load.py --config full7b --keep
+    python benchmarks/bench_load.py --config width1 --format huggingface
 """
 
 from __future__ import annotations
@@ -105,8 +112,15 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _weights_path(preset: str) -> str:
-    return os.path.join(preset, "model.weights.h5")
+def _weights_files(preset: str) -> list[str]:
+    """The checkpoint's weight files: `model.weights.h5`, or the safetensors
+    files of a Hugging Face checkpoint."""
+    names = sorted(f for f in os.listdir(preset) if f.endswith((".weights.h5", ".safetensors")))
+    return [os.path.join(preset, f) for f in names]
+
+
+def _weights_bytes(preset: str) -> int:
+    return sum(os.path.getsize(f) for f in _weights_files(preset))
 
 
 def _case_floor(args, huge_pages: bool) -> dict:
@@ -115,8 +129,8 @@ def _case_floor(args, huge_pages: bool) -> dict:
     from keras_hub_dist.validate import memory
     from keras_hub_dist.formats.host_io import aligned_empty
 
-    path = _weights_path(args.preset)
-    size = os.path.getsize(path)
+    files = _weights_files(args.preset)
+    size = sum(os.path.getsize(f) for f in files)
     memory.reset_host_peak_rss()
     rss0 = memory.current_rss_bytes()
     cpu0 = _cpu_seconds()
@@ -126,13 +140,15 @@ def _case_floor(args, huge_pages: bool) -> dict:
     else:  # plain fresh memory, as `f.read()` would give
         buffer = np.empty((size,), np.uint8)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                raise RuntimeError("file shrank while reading")
-            done += n
+    done = 0
+    for path in files:
+        end = done + os.path.getsize(path)
+        with open(path, "rb", buffering=0) as f:
+            while done < end:
+                n = f.readinto(view[done:end])
+                if not n:
+                    raise RuntimeError("file shrank while reading")
+                done += n
     checksum = int(buffer[::4096].sum())
     wall = time.perf_counter() - start
     return {
@@ -242,7 +258,7 @@ def _spawn(args, case: str) -> dict:
     command = [
         sys.executable, os.path.abspath(__file__), "--case", case,
         "--preset", args.preset, "--dtype", args.dtype, "--config", args.config,
-        "--num_threads", str(args.num_threads),
+        "--num_threads", str(args.num_threads), "--format", args.format,
     ]
     cap = int(args.stock_cap_gb * 1e9) if case.startswith("stock") and args.stock_cap_gb else 0
     started = time.perf_counter()
@@ -299,18 +315,26 @@ def _write(args) -> None:
     overrides = dict(config["overrides"])
     if args.num_layers:
         overrides["num_layers"] = args.num_layers
-    if os.path.exists(_weights_path(args.preset)):
+    if os.path.isdir(args.preset) and _weights_files(args.preset):
         print(f"reusing {args.preset}")
         return
     start = time.perf_counter()
-    keras_hub_dist.write_synthetic_preset(
-        args.preset, config["architecture"], dtype=config["dtype"],
-        overwrite=True, tokenizer=False, progress=sys.stderr.isatty(),
-        **overrides,
-    )
-    size = os.path.getsize(_weights_path(args.preset))
+    if args.format == "huggingface":
+        entry = keras_hub_dist.presets.resolve(config["architecture"])
+        keras_config = {**entry.config_json()["config"], **overrides}
+        keras_hub_dist.write_synthetic_hf_checkpoint(
+            args.preset, entry.backbone_class, keras_config, dtype=config["dtype"],
+            shard_bytes=2 * 10**9, overwrite=True, progress=sys.stderr.isatty(),
+        )
+    else:
+        keras_hub_dist.write_synthetic_preset(
+            args.preset, config["architecture"], dtype=config["dtype"],
+            overwrite=True, tokenizer=False, progress=sys.stderr.isatty(),
+            **overrides,
+        )
+    size = _weights_bytes(args.preset)
     print(
-        f"wrote {args.preset}: {size / 1e9:.2f} GB in "
+        f"wrote {args.preset} ({args.format}): {size / 1e9:.2f} GB in "
         f"{time.perf_counter() - start:.1f} s (streaming)"
     )
 
@@ -409,6 +433,10 @@ def main() -> None:
     parser.add_argument("--num_layers", type=int, default=0,
                         help="override the config's decoder blocks (e.g. to project stock's "
                         "memory to the full depth from shallower runs)")
+    parser.add_argument("--format", choices=("keras", "huggingface"), default="keras",
+                        help="checkpoint format of the synthetic preset: KerasHub's "
+                        "model.weights.h5, or Hugging Face safetensors (2 GB shards + index, "
+                        "read by stock through KerasHub's converter)")
     parser.add_argument("--write_only", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the preset")
     parser.add_argument("--json", default=None, help="also write results here")
@@ -424,7 +452,8 @@ def main() -> None:
     config = CONFIGS[args.config]
     args.dtype = config["dtype"]
     suffix = f"_L{args.num_layers}" if args.num_layers else ""
-    args.preset = os.path.join(args.workdir, f"bench_load_{args.config}{suffix}")
+    fmt = "_hf" if args.format == "huggingface" else ""
+    args.preset = os.path.join(args.workdir, f"bench_load_{args.config}{suffix}{fmt}")
     if args.config == "full7b":
         args.stock_cap_gb = args.stock_cap_gb or 20.0
         if args.cases == parser.get_default("cases"):
@@ -440,8 +469,8 @@ def main() -> None:
         # pays for the kernel reclaiming memory, which no case should.
         with open("/proc/meminfo") as f:
             total_ram = int(f.readline().split()[1]) * 1024
-        if os.path.getsize(_weights_path(args.preset)) < total_ram // 4:
-            subprocess.run(["cat", _weights_path(args.preset)], stdout=subprocess.DEVNULL, check=True)
+        if _weights_bytes(args.preset) < total_ram // 4:
+            subprocess.run(["cat", *_weights_files(args.preset)], stdout=subprocess.DEVNULL, check=True)
         print(f"warm-up: {json.dumps(_spawn(args, 'floor_thp'))[:120]}", flush=True)
         results = []
         for case in args.cases.split(","):
@@ -451,7 +480,8 @@ def main() -> None:
             print(f"{case}: {json.dumps(brief)}", flush=True)
         print()
         print(
-            f"bench_load --config {args.config}{suffix}: {time.strftime('%Y-%m-%d %H:%M')}, "
+            f"bench_load --config {args.config}{suffix} --format {args.format}: "
+            f"{time.strftime('%Y-%m-%d %H:%M')}, "
             f"{os.cpu_count()} cores, 8 simulated CPU devices, mesh (1, 8), "
             f"dtype {args.dtype}"
         )

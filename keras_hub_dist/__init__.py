@@ -55,6 +55,7 @@ from keras_hub_dist.validate.memory import MemorySampler  # noqa: E402
 from keras_hub_dist.plan.auto_layout import LayoutPlan  # noqa: E402
 from keras_hub_dist.plan.auto_layout import plan_layout  # noqa: E402
 from keras_hub_dist.formats.synthetic import write_synthetic_preset  # noqa: E402
+from keras_hub_dist.formats.synthetic_hf import write_synthetic_hf_checkpoint  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -92,5 +93,6 @@ __all__ = [
     "qwen3_backbone",
     "qwen_backbone",
     "registry",
+    "write_synthetic_hf_checkpoint",
     "write_synthetic_preset",
 ]

@@ -1,4 +1,5 @@
-"""Load a KerasHub preset straight into its shards: `load_sharded_preset`.
+"""Load a KerasHub preset or a Hugging Face checkpoint straight into its
+shards: `load_sharded_preset`.
 
 Stock `from_preset` under `ModelParallel` random-initializes every weight,
 reads each tensor whole into host memory, puts it whole on device 0 and only

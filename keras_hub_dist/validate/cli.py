@@ -4,6 +4,8 @@
 keras-hub-dist validate --preset gemma_7b_en --num_layers 1 --mesh 1x8
 keras-hub-dist validate --preset /path/to/preset_dir --phases load --hbm_gb 16 \\
     --json report.json --plot memory.png
+keras-hub-dist validate --preset /path/to/Qwen3-8B --phases load   # an HF checkpoint
+keras-hub-dist validate --preset llama3_8b_en --checkpoint_format huggingface
 ```
 
 `validate` measures, per device, the peak and final memory of building
@@ -20,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from keras_hub_dist.validate.options import ValidateOptions
+from keras_hub_dist.validate.options import CHECKPOINT_FORMATS, ValidateOptions
 from keras_hub_dist.validate.plot import plot_report, require_matplotlib
 from keras_hub_dist.validate.report import format_report, over_budget_lines, write_json
 from keras_hub_dist.validate.runner import run_validation
@@ -33,8 +35,9 @@ def _add_validate_flags(parser: argparse.ArgumentParser) -> None:
     add(
         "--preset",
         default="gemma_7b_en",
-        help="A named architecture (e.g. gemma_7b_en, llama3_8b_en, gemma2_7b) or a "
-        "KerasHub preset directory. Default: %(default)s.",
+        help="A named architecture (e.g. gemma_7b_en, llama3_8b_en, gemma2_7b), a "
+        "KerasHub preset directory or a Hugging Face checkpoint directory (Transformers "
+        "config.json + safetensors). Default: %(default)s.",
     )
     add(
         "--mesh",
@@ -110,6 +113,17 @@ def _add_validate_flags(parser: argparse.ArgumentParser) -> None:
         help="Keep the synthetic preset of the load phase in DIR and reuse it on the next "
         "run. Default: a temporary directory removed afterwards.",
     )
+    add(
+        "--checkpoint_format",
+        "--checkpoint-format",
+        choices=CHECKPOINT_FORMATS,
+        default="keras",
+        help="Format of the synthetic checkpoint the load phase writes for a named "
+        "architecture: keras (a KerasHub preset) or huggingface (config.json + "
+        "safetensors, loaded through KerasHub's converter; Gemma and Llama "
+        "architectures, in --dtype or the architecture's own dtype). A preset "
+        "directory is read in its own format. Default: %(default)s.",
+    )
     add("--quiet", action="store_true", help="No progress lines, only the table.")
 
 
@@ -149,6 +163,7 @@ def options_from_args(args: argparse.Namespace) -> ValidateOptions:
         interval_ms=args.interval_ms,
         timeout_s=args.timeout_s,
         preset_cache=args.preset_cache,
+        checkpoint_format=args.checkpoint_format,
     )
 
 

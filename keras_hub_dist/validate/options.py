@@ -30,6 +30,7 @@ from typing import Any
 
 __all__ = [
     "CASES",
+    "CHECKPOINT_FORMATS",
     "PHASES",
     "ValidateOptions",
     "parse_mesh",
@@ -40,6 +41,10 @@ __all__ = [
 # whom (`ours`: keras_hub_dist, `stock`: plain KerasHub), in report order.
 PHASES = ("init", "load")
 CASES = ("ours", "stock")
+# The formats of the synthetic checkpoint the load phase writes for a named
+# architecture (`--checkpoint_format`): a KerasHub preset
+# (`formats.synthetic`) or a Hugging Face one (`formats.synthetic_hf`).
+CHECKPOINT_FORMATS = ("keras", "huggingface")
 
 
 @dataclasses.dataclass
@@ -47,8 +52,9 @@ class ValidateOptions:
     """What `keras-hub-dist validate` measures; see `cli.py` for the flags.
 
     Attributes:
-        preset: A named architecture (`keras_hub_dist.presets`) or a KerasHub
-            preset directory.
+        preset: A named architecture (`keras_hub_dist.presets`), a KerasHub
+            preset directory or a Hugging Face checkpoint directory
+            (Transformers `config.json` + safetensors).
         mesh: `(batch, model)` mesh shape; default `(1, devices)`.
         dtype: Weight dtype (e.g. "bfloat16"); default the preset's own.
         phases: Any of "init", "load".
@@ -63,6 +69,10 @@ class ValidateOptions:
         timeout_s: Limit per case process.
         preset_cache: Directory to keep (and reuse) the synthetic preset in;
             default a temporary directory removed afterwards.
+        checkpoint_format: Format of the synthetic checkpoint the load phase
+            writes for a named architecture: `"keras"` (a KerasHub preset)
+            or `"huggingface"` (config.json + safetensors, for the classes
+            of `formats.synthetic_hf.SUPPORTED_CLASSES`).
         python: Interpreter of the case processes.
     """
 
@@ -78,6 +88,7 @@ class ValidateOptions:
     interval_ms: float = 2.0
     timeout_s: float = 1800.0
     preset_cache: str | None = None
+    checkpoint_format: str = "keras"
     python: str = sys.executable
 
     @classmethod
@@ -133,6 +144,13 @@ class ValidateOptions:
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(
                 f"Expected num_layers >= 1. Received: num_layers={self.num_layers}."
+            )
+        self.checkpoint_format = str(self.checkpoint_format or "keras").strip().lower()
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"Expected --checkpoint_format among {CHECKPOINT_FORMATS}. Received: "
+                f"--checkpoint_format {self.checkpoint_format!r}. Use keras (a "
+                "KerasHub preset) or huggingface (config.json + safetensors)."
             )
         if self.interval_ms <= 0:
             raise ValueError(

@@ -198,6 +198,18 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> list[str]:
     return [line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
 
 
+def _checkpoint_note(report: Mapping[str, Any]) -> str:
+    """` [Hugging Face checkpoint ...]` where the load phase read one, else ``."""
+    synthetic = report.get("synthetic_preset") or {}
+    if synthetic.get("format") == "huggingface":
+        return " [synthetic Hugging Face checkpoint]"
+    for c in report["cases"]:
+        arch = c.get("architecture") or {}
+        if c.get("ok") and arch.get("kind") == "hf_dir":
+            return f" [Hugging Face checkpoint, model_type={arch.get('model_type')}]"
+    return ""
+
+
 def _header_lines(report: Mapping[str, Any]) -> list[str]:
     """What was measured: architecture, model size, mesh, platform, budget."""
     opts = report["options"]
@@ -206,7 +218,7 @@ def _header_lines(report: Mapping[str, Any]) -> list[str]:
     arch = opts["preset"] + (
         f" ({', '.join(f'{k}={v}' for k, v in opts['overrides'].items())})"
         if opts["overrides"] else ""
-    )
+    ) + _checkpoint_note(report)
     params = model.get("parameter_count")
     out = [
         f"keras-hub-dist validate: {arch}"

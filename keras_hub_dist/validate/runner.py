@@ -12,9 +12,13 @@ Phases:
 - `init`: build the backbone randomly initialized. Ours: the
   `keras_hub_dist.<family>_backbone` factory (embedding created sharded by
   the distributed initializers). Stock: the KerasHub class itself.
-- `load`: load a preset directory. Ours: `keras_hub_dist.load_sharded_preset`;
-  stock: `keras_hub.models.Backbone.from_preset`. For a named architecture a
-  synthetic preset (random weights) is written first, untimed.
+- `load`: load a preset directory (a KerasHub preset or a Hugging Face
+  checkpoint). Ours: `keras_hub_dist.load_sharded_preset`; stock:
+  `keras_hub.models.Backbone.from_preset`. For a named architecture a
+  synthetic checkpoint (random weights) is written first, untimed: a KerasHub
+  preset, or with `checkpoint_format="huggingface"` a Hugging Face one
+  (`formats.synthetic_hf`), which both loaders read through KerasHub's
+  converter.
 
 `run_validation` returns the JSON-ready report, summarized
 (`keras_hub_dist.validate.report`); its schema and exit codes are in
@@ -46,7 +50,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from keras_hub_dist.plan.presets import is_preset_dir
+from keras_hub_dist.plan.presets import CONFIG_FILE, is_preset_dir, read_json, resolve
 from keras_hub_dist.plan.sizes import format_bytes
 from keras_hub_dist.validate.options import CASES, ValidateOptions
 from keras_hub_dist.validate.report import summarize
@@ -140,15 +144,26 @@ def _run_worker(
 
 
 def _preset_cache_dir(options: ValidateOptions, workdir: str) -> str:
-    """Where the synthetic preset goes: per run, or keyed by what shapes it."""
+    """Where the synthetic preset goes: per run, or keyed by what shapes it.
+
+    The key holds the checkpoint format, so a KerasHub preset and a Hugging
+    Face checkpoint of the same architecture never share a directory (the
+    Hugging Face one also gets `-hf` in its name; KerasHub presets keep the
+    key they always had, so existing caches stay valid).
+    """
     if not options.preset_cache:
         return os.path.join(workdir, "synthetic_preset")
-    key = json.dumps(
-        [options.preset, options.config_overrides(), options.dtype], sort_keys=True
-    )
+    parts: list[Any] = [options.preset, options.config_overrides(), options.dtype]
+    suffix = ""
+    if options.checkpoint_format != "keras":
+        parts.append(options.checkpoint_format)
+        suffix = "-hf" if options.checkpoint_format == "huggingface" else (
+            "-" + options.checkpoint_format
+        )
+    key = json.dumps(parts, sort_keys=True)
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", options.preset)[:60]
     digest = f"{_hash_text(key):016x}"[:12]
-    return os.path.join(os.path.abspath(options.preset_cache), f"{safe}-{digest}")
+    return os.path.join(os.path.abspath(options.preset_cache), f"{safe}{suffix}-{digest}")
 
 
 def _hash_text(text: str) -> int:
@@ -173,6 +188,7 @@ def _new_report(options: ValidateOptions) -> dict[str, Any]:
             "hbm_gb": options.hbm_gb,
             "devices": options.simulated_devices,
             "interval_ms": options.interval_ms,
+            "checkpoint_format": options.checkpoint_format,
         },
         "model": None,
         "environment": None,
@@ -197,7 +213,9 @@ def run_validation(options: ValidateOptions, on_event: Event | None = None) -> d
     Raises:
         RuntimeError: The synthetic preset of the load phase could not be
             written.
-        ValueError: Config overrides were given with a preset directory.
+        ValueError: Config overrides were given with a preset directory, or
+            `checkpoint_format="huggingface"` with an architecture that has
+            no Hugging Face layout (or a preset directory of another format).
     """
     say = on_event or (lambda _msg: None)
     env = child_environment(options.simulated_devices)
@@ -210,6 +228,7 @@ def run_validation(options: ValidateOptions, on_event: Event | None = None) -> d
             "dtype": options.dtype,
             "mesh": list(options.mesh_shape),
             "interval_s": options.interval_ms / 1000.0,
+            "checkpoint_format": options.checkpoint_format,
         }
         preset_dir = None
         if "load" in options.phases:
@@ -254,9 +273,12 @@ def _prepare_preset(
         is None for a preset directory given by the user.
 
     Raises:
-        ValueError: Config overrides with a preset directory.
+        ValueError: Config overrides with a preset directory;
+            `--checkpoint_format huggingface` with a KerasHub preset directory,
+            or with an architecture that has no Hugging Face layout.
         RuntimeError: The synthetic preset could not be written.
     """
+    fmt = options.checkpoint_format
     if is_preset_dir(options.preset):
         if options.config_overrides():
             raise ValueError(
@@ -264,40 +286,89 @@ def _prepare_preset(
                 "directory's weights. Expected no overrides with --preset DIR and "
                 f"--phases load. Received: {options.config_overrides()}."
             )
+        if fmt == "huggingface" and not _is_hf_dir(options.preset):
+            raise ValueError(
+                "--checkpoint_format huggingface picks the format of the synthetic "
+                "checkpoint written for a named architecture; a preset directory is "
+                "read in its own format. Expected a Hugging Face checkpoint directory "
+                "(config.json with 'model_type') or a named architecture. Received: "
+                f"--preset {options.preset} (not a Hugging Face checkpoint). Drop "
+                "--checkpoint_format."
+            )
         return os.path.abspath(options.preset), None
+    spec = {**base_spec, "task": "write_preset"}
+    what = "synthetic preset"
+    if fmt == "huggingface":
+        # Checked here, before minutes of writing or measuring.
+        spec["checkpoint_dtype"] = _hf_checkpoint_dtype(options)
+        what = "synthetic Hugging Face checkpoint"
     out_dir = _preset_cache_dir(options, workdir)
     if is_preset_dir(out_dir):
         # Only complete presets are ever renamed into place (see below).
-        say(f"synthetic preset: reusing {out_dir}")
+        say(f"{what}: reusing {out_dir}")
         return out_dir, {
             "preset_dir": out_dir,
+            "format": fmt,
             "writer": "reused",
             "bytes_on_disk": _dir_bytes(out_dir),
             "wall_s": 0.0,
         }
-    say(f"writing a synthetic preset of {options.preset} (random weights) to {out_dir} ...")
+    say(f"writing a {what} of {options.preset} (random weights) to {out_dir} ...")
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     partial = out_dir + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
-    spec = {**base_spec, "task": "write_preset", "out_dir": partial}
+    spec["out_dir"] = partial
     result = _run_worker(spec, workdir, "write-preset", env, options)
     if not result.get("ok"):
         shutil.rmtree(partial, ignore_errors=True)
         raise RuntimeError(
-            f"Could not write a synthetic preset of {options.preset!r}: "
+            f"Could not write a {what} of {options.preset!r}: "
             f"{result['error']}\n{result.get('log_tail', '')}"
         )
     os.replace(partial, out_dir)
     say(
-        f"synthetic preset: {format_bytes(result['bytes_on_disk'])} written in "
+        f"{what}: {format_bytes(result['bytes_on_disk'])} written in "
         f"{result['wall_s']:.1f} s by {result['writer']}"
     )
     return out_dir, {
         "preset_dir": out_dir,
+        "format": fmt,
         "writer": result["writer"],
         "bytes_on_disk": result["bytes_on_disk"],
         "wall_s": result["wall_s"],
     }
+
+
+def _is_hf_dir(path: str) -> bool:
+    """Whether the preset directory's config.json is a Transformers one."""
+    from keras_hub_dist.formats import huggingface
+
+    try:
+        config = read_json(os.path.join(path, CONFIG_FILE))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, Mapping) and huggingface.recognizes(config)
+
+
+def _hf_checkpoint_dtype(options: ValidateOptions) -> str:
+    """The dtype of the synthetic Hugging Face checkpoint of a named architecture.
+
+    `--dtype`, else a `dtype` override, else the architecture's own; checked
+    (with the class's Hugging Face layout) by `worker.hf_checkpoint_dtype`.
+
+    Raises:
+        ValueError: Not a named architecture, no Hugging Face layout for its
+            class, or a dtype other than float32/bfloat16/float16.
+    """
+    from keras_hub_dist.validate.worker import _policy_name, hf_checkpoint_dtype
+
+    entry = resolve(options.preset)
+    dtype = (
+        options.dtype
+        or _policy_name(options.config_overrides().get("dtype"))
+        or _policy_name(entry.config.get("dtype"))
+    )
+    return hf_checkpoint_dtype(entry.backbone_class_name, dtype, options.preset)
 
 
 def _dir_bytes(path: str) -> int:

@@ -10,11 +10,16 @@ Schema (draft 7) and `check_report` validates a report against it with the
   "schema_version": 1,
   "tool": "keras-hub-dist validate", "created": ISO-8601 time,
   "options": {preset, mesh: [batch, model], dtype, phases, num_layers,
-              overrides, baseline, hbm_gb, devices, interval_ms},
+              overrides, baseline, hbm_gb, devices, interval_ms,
+              checkpoint_format: "keras" | "huggingface" (optional)},
   "model": {backbone_class, parameter_count, model_bytes, weight_dtypes,
-            architecture, config} | null,
+            architecture: {"kind": "named", name, handle, full_parameter_count}
+                        | {"kind": "preset_dir", path}
+                        | {"kind": "hf_dir", path, model_type, torch_dtype},
+            config} | null,
   "environment": {platform, device_kind, device_count, versions} | null,
-  "synthetic_preset": {preset_dir, writer, bytes_on_disk, wall_s} | null,
+  "synthetic_preset": {preset_dir, format: "keras" | "huggingface" (optional),
+                       writer, bytes_on_disk, wall_s} | null,
   "budget_bytes": int | null, "budget_source": "hbm_gb" | "bytes_limit" | null,
   "cases": [{
       "phase": "init" | "load", "case": "ours" | "stock", "ok": bool,
@@ -60,7 +65,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from keras_hub_dist.validate.options import CASES, PHASES
+from keras_hub_dist.validate.options import CASES, CHECKPOINT_FORMATS, PHASES
 
 __all__ = [
     "EXIT_CASE_FAILED",
@@ -83,6 +88,28 @@ _MAX_SHOWN = 20
 _INT = {"type": "integer", "minimum": 0}
 _NUM_OR_NULL = {"type": ["number", "null"]}
 _PER_DEVICE = {"type": "object", "additionalProperties": _INT}
+_FORMAT = {"type": "string", "enum": list(CHECKPOINT_FORMATS)}
+# What the measured backbone was resolved from (`worker.resolve_architecture`).
+_ARCHITECTURE = {
+    "type": "object",
+    "required": ["kind"],
+    "properties": {
+        "kind": {"type": "string", "enum": ["named", "preset_dir", "hf_dir"]},
+        "path": {"type": "string"},
+        "model_type": {"type": "string"},
+        "torch_dtype": {"type": ["string", "null"]},
+    },
+    "allOf": [
+        {
+            "if": {"properties": {"kind": {"const": "hf_dir"}}},
+            "then": {"required": ["path", "model_type"]},
+        },
+        {
+            "if": {"properties": {"kind": {"const": "preset_dir"}}},
+            "then": {"required": ["path"]},
+        },
+    ],
+}
 
 REPORT_SCHEMA: dict[str, Any] = {
     "$schema": "http://json-schema.org/draft-07/schema#",
@@ -114,6 +141,8 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "hbm_gb": _NUM_OR_NULL,
                 "devices": {"type": "integer", "minimum": 1},
                 "interval_ms": {"type": "number"},
+                # Optional: reports written before the flag existed are "keras".
+                "checkpoint_format": _FORMAT,
             },
         },
         "model": {
@@ -123,6 +152,7 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "backbone_class": {"type": "string"},
                 "parameter_count": _INT,
                 "model_bytes": _INT,
+                "architecture": {"anyOf": [_ARCHITECTURE, {"type": "null"}]},
             },
         },
         "environment": {
@@ -134,7 +164,15 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "versions": {"type": "object"},
             },
         },
-        "synthetic_preset": {"type": ["object", "null"], "required": ["preset_dir", "writer"]},
+        "synthetic_preset": {
+            "type": ["object", "null"],
+            "required": ["preset_dir", "writer"],
+            "properties": {
+                "preset_dir": {"type": "string"},
+                "format": _FORMAT,
+                "writer": {"type": "string"},
+            },
+        },
         "budget_bytes": {"type": ["integer", "null"], "minimum": 0},
         "budget_source": {"type": ["string", "null"], "enum": ["hbm_gb", "bytes_limit", None]},
         "cases": {

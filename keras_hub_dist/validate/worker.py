@@ -11,7 +11,11 @@ Tasks (`spec["task"]`):
   `case="ours"` (keras_hub_dist) or `case="stock"` (plain KerasHub), under the
   same `ModelParallel`, inside a `MemorySampler`; write its figures.
 - `"write_preset"`: write a synthetic preset of the architecture (random
-  weights) for the load phase.
+  weights) for the load phase: a KerasHub preset, or a Hugging Face
+  checkpoint with `spec["checkpoint_format"] = "huggingface"`.
+
+`spec["preset"]` is a named architecture, a KerasHub preset directory or a
+Hugging Face checkpoint directory (see `resolve_architecture`).
 
 The result file is JSON: `{"ok": true, ...}` or `{"ok": false, "error": ...}`.
 """
@@ -33,7 +37,7 @@ import warnings  # noqa: E402
 from collections.abc import Mapping, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-__all__ = ["main", "run_task"]
+__all__ = ["hf_checkpoint_dtype", "main", "resolve_architecture", "run_task"]
 
 # The result file stays small whatever the case's length: the timeline is
 # downsampled to this many points, and only the programs with the largest
@@ -42,15 +46,29 @@ TIMELINE_POINTS = 600
 TOP_PROGRAMS = 8
 
 
+# The dtypes a checkpoint's own `torch_dtype` may give the load phase (and a
+# synthetic Hugging Face checkpoint may be written in).
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def resolve_architecture(
     preset: str, overrides: Mapping[str, Any], dtype: str | None
 ) -> tuple[type, dict[str, Any], dict[str, Any]]:
-    """(backbone class, full config with overrides, description) of `preset`."""
+    """(backbone class, full config with overrides, description) of `preset`.
+
+    `preset` is a named architecture, a KerasHub preset directory or a
+    Hugging Face checkpoint directory (a Transformers config.json, detected
+    by `formats.detect.checkpoint_format`); the last is converted by
+    KerasHub's own converter (`formats.huggingface.backbone_config`).
+    """
     from keras_hub_dist.plan import presets
 
     extra = dict(overrides)
     if dtype:
         extra["dtype"] = dtype
+    hf = _hf_resolve(preset, extra)
+    if hf is not None:
+        return hf
     cls, config, entry = presets.backbone_config(preset, **extra)
     if entry is None:
         source = {"kind": "preset_dir", "path": os.path.abspath(preset)}
@@ -61,6 +79,45 @@ def resolve_architecture(
             "handle": entry.handle,
             "full_parameter_count": entry.parameter_count,
         }
+    return cls, config, source
+
+
+def _hf_resolve(
+    preset: str, extra: Mapping[str, Any]
+) -> tuple[type, dict[str, Any], dict[str, Any]] | None:
+    """`resolve_architecture` of a Hugging Face checkpoint directory; None otherwise.
+
+    The model's dtype, unless `extra` sets one, is the checkpoint's own
+    (`torch_dtype`, or `dtype` in newer Transformers) where it is one of
+    `CHECKPOINT_DTYPES`, as a KerasHub preset's config carries its own.
+    """
+    from keras_hub_dist.errors import PresetError
+    from keras_hub_dist.formats import detect, huggingface
+    from keras_hub_dist.plan import presets
+
+    if not presets.is_preset_dir(preset):
+        return None
+    hf_config = presets.read_json(os.path.join(preset, presets.CONFIG_FILE))
+    if not isinstance(hf_config, Mapping):
+        return None
+    try:
+        module = detect.checkpoint_format(hf_config, preset)
+    except PresetError:
+        # Not ours to judge: `presets.backbone_config` names the problem.
+        return None
+    if module.FORMAT != huggingface.FORMAT:
+        return None
+    cls, config = huggingface.backbone_config(hf_config, preset)
+    own_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    if own_dtype in CHECKPOINT_DTYPES:
+        config["dtype"] = own_dtype
+    config.update(extra)
+    source = {
+        "kind": "hf_dir",
+        "path": os.path.abspath(preset),
+        "model_type": str(hf_config.get("model_type")),
+        "torch_dtype": own_dtype if isinstance(own_dtype, str) else None,
+    }
     return cls, config, source
 
 
@@ -235,7 +292,8 @@ def _measure(spec: Mapping[str, Any]) -> dict[str, Any]:
                 model = _ours_init(cls, config)
         elif case == "stock" and phase == "init":
             with distribution.scope():
-                model = cls.from_config(config)
+                # A copy: some `from_config`s (Gemma 3) deserialize sub-layers in place.
+                model = cls.from_config(dict(config))
         elif case == "ours" and phase == "load":
             model = _ours_load(preset, mesh, layout_map, dtype)
         elif case == "stock" and phase == "load":
@@ -305,34 +363,102 @@ def _jsonable(value: Any) -> bool:
 
 
 def _write_preset(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Writes the synthetic checkpoint of `spec["preset"]` to `spec["out_dir"]`.
+
+    `spec["checkpoint_format"]` picks the writer: `"keras"` (default) a
+    KerasHub preset (`write_synthetic_preset`), `"huggingface"` a Hugging
+    Face checkpoint (`write_synthetic_hf_checkpoint`) in
+    `spec["checkpoint_dtype"]`, else the run's dtype or the architecture's own.
+    """
     out_dir = spec["out_dir"]
+    fmt = spec.get("checkpoint_format") or "keras"
     cls, config, source = resolve_architecture(
         spec["preset"], dict(spec.get("overrides") or {}), spec.get("dtype")
     )
-    from keras_hub_dist.formats.synthetic import write_synthetic_preset
-
     start = time.perf_counter()
     # Streamed tensor by tensor: a full-size model is never built in memory.
-    write_synthetic_preset(
-        out_dir,
-        serialized_config(cls, config),
-        seed=int(spec.get("seed", 0)),
-        overwrite=True,
-        progress=False,
-    )
+    if fmt == "huggingface":
+        from keras_hub_dist.formats.synthetic_hf import write_synthetic_hf_checkpoint
+
+        dtype = spec.get("checkpoint_dtype") or hf_checkpoint_dtype(
+            cls.__name__, spec.get("dtype") or _policy_name(config.get("dtype")), spec["preset"]
+        )
+        write_synthetic_hf_checkpoint(
+            out_dir,
+            cls,
+            config,
+            dtype=dtype,
+            seed=int(spec.get("seed", 0)),
+            overwrite=True,
+            progress=False,
+        )
+        writer = "keras_hub_dist.formats.synthetic_hf.write_synthetic_hf_checkpoint"
+    elif fmt == "keras":
+        from keras_hub_dist.formats.synthetic import write_synthetic_preset
+
+        write_synthetic_preset(
+            out_dir,
+            serialized_config(cls, config),
+            seed=int(spec.get("seed", 0)),
+            overwrite=True,
+            progress=False,
+        )
+        writer = "keras_hub_dist.formats.synthetic.write_synthetic_preset"
+    else:
+        raise ValueError(
+            "Expected checkpoint_format 'keras' or 'huggingface'. "
+            f"Received: checkpoint_format={fmt!r}."
+        )
     size = sum(
-        os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir)
+        os.path.getsize(os.path.join(root, f))
+        for root, _, files in os.walk(out_dir)
+        for f in files
     )
     return {
         "ok": True,
         "task": "write_preset",
         "preset_dir": out_dir,
+        "format": fmt,
         "backbone_class": cls.__name__,
         "architecture": source,
-        "writer": "keras_hub_dist.formats.synthetic.write_synthetic_preset",
+        "writer": writer,
         "bytes_on_disk": size,
         "wall_s": time.perf_counter() - start,
     }
+
+
+def hf_checkpoint_dtype(class_name: str, dtype: str | None, preset: str) -> str:
+    """The dtype of a synthetic Hugging Face checkpoint, checked.
+
+    Args:
+        class_name: The backbone class name; it needs a Hugging Face layout
+            (`formats.synthetic_hf.SUPPORTED_CLASSES`).
+        dtype: `--dtype`, else the architecture's own (a policy name);
+            None for float32.
+        preset: The architecture, for the messages.
+
+    Raises:
+        ValueError: No Hugging Face layout for the class, or a dtype that
+            safetensors checkpoints are not written in.
+    """
+    from keras_hub_dist.formats.synthetic_hf import SUPPORTED_CLASSES
+
+    if class_name not in SUPPORTED_CLASSES:
+        raise ValueError(
+            f"--checkpoint_format huggingface cannot write {preset!r}: no Hugging Face "
+            f"layout for its backbone class {class_name}. Expected an architecture whose "
+            f"class is one of {list(SUPPORTED_CLASSES)} (e.g. gemma_7b_en, llama3_8b_en). "
+            f"Received: --preset {preset} ({class_name}). Use --checkpoint_format keras "
+            "for this architecture."
+        )
+    dtype = dtype or "float32"
+    if dtype not in CHECKPOINT_DTYPES:
+        raise ValueError(
+            f"--checkpoint_format huggingface writes weights in one of "
+            f"{list(CHECKPOINT_DTYPES)}. Expected --dtype (or the architecture's own "
+            f"dtype) among them. Received: {dtype!r}. Pass e.g. --dtype bfloat16."
+        )
+    return dtype
 
 
 def run_task(spec: Mapping[str, Any]) -> dict[str, Any]:

@@ -253,3 +253,35 @@ def test_model_type_list_is_what_the_converters_handle():
     for model_type in huggingface.TESTED_MODEL_TYPES:
         preset_loader.TransformersPresetLoader(None, {"model_type": model_type})
     assert jax.device_count() == 8 and keras.config.backend() == "jax"
+
+
+@pytest.mark.parametrize(
+    "cls_name, config",
+    [
+        ("GemmaBackbone", dict(vocabulary_size=256, num_layers=2, num_query_heads=8,
+                               num_key_value_heads=1, hidden_dim=64, intermediate_dim=256, head_dim=16)),
+        ("Llama3Backbone", dict(vocabulary_size=256, num_layers=2, num_query_heads=8,
+                                num_key_value_heads=2, hidden_dim=64, intermediate_dim=128,
+                                tie_word_embeddings=False)),
+    ],
+)
+def test_synthetic_hf_checkpoint_is_read_by_stock_and_loads_equal(tmp_path, cls_name, config):
+    from keras_hub_dist import write_synthetic_hf_checkpoint
+
+    cls = getattr(keras_hub.models, cls_name)
+    path = str(tmp_path / cls_name)
+    hf_config = write_synthetic_hf_checkpoint(path, cls, config, dtype="bfloat16", shard_bytes=40_000)
+    assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 2
+    assert hf_config["model_type"] == ("gemma" if cls_name == "GemmaBackbone" else "llama")
+    cls_back, converted = huggingface.backbone_config(hf_config, path)
+    assert cls_back is cls
+    assert {k: converted[k] for k in config} == config  # the converter inverts the writer
+    stock = keras_hub.models.Backbone.from_preset(path)
+    model = load_sharded_preset(path, mesh=(2, 4), progress=False)
+    for ref, var in zip(stock.weights, model.weights):
+        assert _bitwise_equal(ref.value, var.value), ref.path
+    with pytest.raises(PresetError, match="exists"):
+        write_synthetic_hf_checkpoint(path, cls, config)
+    with pytest.raises(PresetError, match="No Hugging Face layout for MixtralBackbone"):
+        write_synthetic_hf_checkpoint(str(tmp_path / "x"), keras_hub.models.MixtralBackbone, config)

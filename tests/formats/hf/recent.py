@@ -51,7 +51,7 @@ CASES: tuple[str, ...] = (
 ALWAYS_TIED: frozenset[str] = frozenset({"gemma4_text", "gemma4", "gemma4_moe"})
 
 # The Qwen 3.5 converters follow the top-level `tie_word_embeddings` and read
-# `lm_head.weight` only when it is false (Qwen3.5-0.8B..4B are tied, 9B+ untied).
+# `lm_head.weight` only when it is false (Qwen3.5-4B is tied, 9B and 35B-A3B untied).
 NEVER_TIED: frozenset[str] = frozenset()
 
 VOCAB, HIDDEN, HEADS, KV_HEADS = 128, 64, 8, 2
