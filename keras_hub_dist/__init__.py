@@ -35,6 +35,7 @@ from keras_hub_dist.init.factories import qwen_backbone  # noqa: E402
 from keras_hub_dist.errors import KerasHubDistWarning  # noqa: E402
 from keras_hub_dist.errors import LayoutError  # noqa: E402
 from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
+from keras_hub_dist.errors import UnconvertedWeightsWarning  # noqa: E402
 from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
 from keras_hub_dist.errors import PresetError  # noqa: E402
 from keras_hub_dist.errors import UnknownPresetError  # noqa: E402
@@ -73,6 +74,7 @@ __all__ = [
     "KerasHubDistWarning",
     "LayoutError",
     "LayoutFallbackWarning",
+    "UnconvertedWeightsWarning",
     "LayoutPlan",
     "LoadReport",
     "MemorySampler",

@@ -35,6 +35,15 @@ class LayoutFallbackWarning(KerasHubDistWarning):
     """A layout could not shard the axis it asked for and used another one."""
 
 
+class UnconvertedWeightsWarning(KerasHubDistWarning):
+    """KerasHub's Hugging Face converter gave no value to some trainable
+    weights of the model; they keep their initializer's values, exactly as
+    with stock `from_preset`."""
+
+
+__all__.append("UnconvertedWeightsWarning")
+
+
 class LayoutError(ValueError):
     """A layout does not fit a variable (axis names, rank or divisibility)."""
 

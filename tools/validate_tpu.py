@@ -46,6 +46,11 @@ _TIMEOUT_S = flags.DEFINE_float("timeout_s", 1800.0, "Time limit per case proces
 _PRESET_CACHE = flags.DEFINE_string(
     "preset_cache", None, "Keep and reuse the synthetic preset of the load phase here."
 )
+_CHECKPOINT_FORMAT = flags.DEFINE_enum(
+    "checkpoint_format", "keras", ["keras", "huggingface"],
+    "Format of the synthetic checkpoint the load phase writes: a KerasHub preset "
+    "or a Hugging Face one (config.json + safetensors).",
+)
 _QUIET = flags.DEFINE_boolean("quiet", False, "No progress lines.")
 
 
@@ -69,6 +74,7 @@ def main(argv: list[str]) -> int:
             interval_ms=_INTERVAL_MS.value,
             timeout_s=_TIMEOUT_S.value,
             preset_cache=_PRESET_CACHE.value,
+            checkpoint_format=_CHECKPOINT_FORMAT.value,
         )
         return cli.execute(
             options, json_path=_JSON.value, plot_path=_PLOT.value, quiet=_QUIET.value

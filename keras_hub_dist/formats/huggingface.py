@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -46,11 +47,12 @@ import keras
 import numpy as np
 
 from keras_hub_dist import _compat
-from keras_hub_dist.errors import KerasHubDistWarning, PresetError
+from keras_hub_dist.errors import PresetError, UnconvertedWeightsWarning
 from keras_hub_dist.formats import keras_h5
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
     IndexedVariable,
+    StoredTensor,
     TensorSource,
     compatible_dtypes,
     numpy_dtype,
@@ -67,7 +69,6 @@ from keras_hub_dist.formats.transforms import Constant, FullTensorFallback, view
 __all__ = [
     "FORMAT",
     "TESTED_MODEL_TYPES",
-    "UnconvertedWeightsWarning",
     "backbone_config",
     "index_checkpoint",
     "recognizes",
@@ -84,12 +85,6 @@ TESTED_MODEL_TYPES = (
 )
 
 _MAX_LISTED = 12
-
-
-class UnconvertedWeightsWarning(KerasHubDistWarning):
-    """KerasHub's converter gave no value to some trainable weights of the
-    model; they keep their initializer's values, exactly as with stock
-    `from_preset`."""
 
 
 def recognizes(config: Mapping[str, Any]) -> bool:
@@ -272,17 +267,22 @@ def _recording_assignments(trace: _Trace) -> Iterator[None]:
                 cls.assign = original
 
 
-def _source_of(value: Any, variable: Any, model_type: str) -> TensorSource | str:
+def _source_of(
+    value: Any, variable: Any, model_type: str, tensors: Mapping[str, StoredTensor]
+) -> TensorSource | str:
     """The variable's `TensorSource`, or a problem."""
     if isinstance(value, LazyArray):
         return value.source
     if isinstance(value, TensorSource):
         return value
     if isinstance(value, Opaque):
-        blocks = sorted(k for k in value.leaves if k.endswith("_blocks"))
-        scales = sorted(k for k in value.leaves if k.endswith("_scales"))
+        blocks = [k for k in value.leaves if k.endswith("_blocks")]
+        scales = [k for k in value.leaves if k.endswith("_scales")]
         if model_type == "gpt_oss" and len(blocks) == len(scales) == 1 and len(value.leaves) == 2:
-            return ("mxfp4", blocks[0], scales[0])  # resolved by the caller
+            try:
+                return Mxfp4Source(tensors[blocks[0]], tensors[scales[0]])
+            except ValueError as e:
+                return f"{variable.path}: {e}"
         return (
             f"{variable.path}: KerasHub's converter computes it from "
             f"{sorted(value.leaves)} with operations that keras_hub_dist cannot "
@@ -315,7 +315,13 @@ def index_checkpoint(
     converter = _converter(config, label)
     saved = {id(v): v for v in keras_h5.expected_datasets(model).values()}
     trace = _Trace(list(saved.values()))
-    with _recording_assignments(trace), _tracing_loader(ref, files, trace) as loader:
+    # Some converters print audits of what they ported (Qwen 3.5); of a
+    # trace, that would be noise, and the library prints nothing.
+    with (
+        _recording_assignments(trace),
+        _tracing_loader(ref, files, trace) as loader,
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
         try:
             converter.convert_weights(model, loader, dict(config))
         except _MissingTensor as e:
@@ -340,13 +346,7 @@ def index_checkpoint(
             if variable.trainable:
                 unassigned.append(variable.path)
             continue
-        source = _source_of(trace.values[id(variable)], variable, model_type)
-        if isinstance(source, tuple):
-            _, blocks, scales = source
-            try:
-                source = Mxfp4Source(tensors[blocks], tensors[scales])
-            except ValueError as e:
-                source = f"{variable.path}: {e}"
+        source = _source_of(trace.values[id(variable)], variable, model_type, tensors)
         if isinstance(source, str):
             problems.append(source)
             continue

@@ -24,6 +24,18 @@ byte once. The executor reads them in one of three ways:
 - `"read"`: the checkpoint format's `TensorSource.read` per block, for
   values that are not one stored tensor as it is (a chunked HDF5 dataset, a
   tensor that must be transposed or stacked).
+- `"read_union"`: `TensorSource.read`, once for the union of the local blocks when they
+  tile a box exactly (e.g. all 8 devices of one host split a transposed
+  kernel): the transform runs once on this process's share, with one read
+  instead of a strided run per row and device, and the blocks are cut from
+  it. Only up to `UNION_MAX_BYTES`, which bounds the extra host memory.
+
+A variable whose values are a transpose of large blocks (Hugging Face
+kernels are stored `(out, in)`, Keras's `(in, out)`) is planned as its
+input: blocks are read as the input's byte runs, with the strategies above,
+and transposed on their devices (`device_perm`) by one SPMD program; XLA
+transposes several times faster than NumPy's strided copy, and a device
+holds its block twice only during that program.
 
 Example:
 
@@ -36,6 +48,7 @@ plan.variables[0].blocks[0].device_ids   # (0, 4): both batch rows hold rows 0:N
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_hub_dist.formats import transforms
 from keras_hub_dist.formats.base import ByteRuns, Index, TensorSource
 from keras_hub_dist.plan import specs
 
@@ -60,6 +74,12 @@ AxisEntry = str | tuple[str, ...] | None
 # Runs at least this long are read one `preadv` each (blocks in parallel);
 # shorter runs are merged across blocks into few large scatter reads.
 DIRECT_MIN_RUN_BYTES = 256 * 1024
+# The largest union of blocks `"read_union"` holds on the host at once.
+UNION_MAX_BYTES = 512 * 1024 * 1024
+# Transposes of blocks from this size on run on the devices; smaller ones on
+# the host, where the device's moment of two copies would be a visible
+# fraction of a small model.
+DEVICE_TRANSPOSE_MIN_BYTES = 1 << 20
 
 
 def block_indices(
@@ -101,15 +121,23 @@ class Block:
             read once and copied to the others.
         runs: Its bytes in the file (`None` unless the source is stored as it
             is, `TensorSource.stored`).
+        read_index: The block of the variable's `read_source` that is read
+            for it (its transpose's input block under `device_perm`).
     """
 
     index: Index
     device_ids: tuple[int, ...]
     runs: ByteRuns | None
+    read_index: Index | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(stop - start for start, stop in self.index)
+
+    @property
+    def read_shape(self) -> tuple[int, ...]:
+        """Shape of the host buffer read for the block."""
+        return tuple(stop - start for start, stop in (self.read_index or self.index))
 
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(start, stop) for start, stop in self.index)
@@ -127,9 +155,14 @@ class VariablePlan:
         spec: Partition spec (one entry per dimension).
         source: Where the values are.
         blocks: The distinct local blocks.
-        strategy: `"direct"`, `"scatter"` or `"read"` (see the module doc).
+        strategy: `"direct"`, `"scatter"`, `"read"` or `"read_union"` (see
+            the module doc).
         read_bytes: Bytes this process reads from the file for the variable
             (exactly the bytes of its blocks, each once).
+        union: The box the local blocks tile (`"read_union"` only), in
+            `read_source` coordinates.
+        device_perm: Set when the values are `transpose(read_source, perm)`
+            done on the devices (see the module doc).
     """
 
     path: str
@@ -141,6 +174,13 @@ class VariablePlan:
     blocks: tuple[Block, ...]
     strategy: str
     read_bytes: int
+    union: Index | None = None
+    device_perm: tuple[int, ...] | None = None
+
+    @property
+    def read_source(self) -> TensorSource:
+        """What the host reads: the source, or its transpose's input."""
+        return self.source.child if self.device_perm is not None else self.source
 
     @property
     def replicated(self) -> bool:
@@ -188,14 +228,42 @@ class VariableRequest:
     target_dtype: Any
 
 
-def _choose_strategy(source: TensorSource, blocks: Sequence[Block]) -> tuple[str, int]:
+def _tiled_box(blocks: Sequence[Block]) -> Index | None:
+    """The box that distinct grid blocks cover exactly, if they do."""
+    if len(blocks) < 2:
+        return None
+    box = tuple(
+        (min(b.index[d][0] for b in blocks), max(b.index[d][1] for b in blocks))
+        for d in range(len(blocks[0].index))
+    )
+    covered = sum(math.prod(b.shape) for b in blocks)
+    return box if covered == math.prod(stop - start for start, stop in box) else None
+
+
+def _read_index(block: Block) -> Index:
+    return block.read_index or block.index
+
+
+def _choose_strategy(source: TensorSource, blocks: Sequence[Block]) -> tuple[str, int, Index | None]:
     if source.stored is None:
-        return "read", sum(source.read_nbytes(b.index) for b in blocks)
+        box = _tiled_box([dataclasses.replace(b, index=_read_index(b)) for b in blocks])
+        box_bytes = math.prod(b - a for a, b in box) * np.dtype(source.dtype).itemsize if box else 0
+        if box is not None and box_bytes <= UNION_MAX_BYTES:
+            return "read_union", source.read_nbytes(box), box
+        return "read", sum(source.read_nbytes(_read_index(b)) for b in blocks), None
     needed = sum(b.runs.nbytes for b in blocks)
     shortest = min((b.runs.run_bytes for b in blocks if b.runs.num_runs), default=0)
     if all(b.runs.num_runs <= 1 for b in blocks) or shortest >= DIRECT_MIN_RUN_BYTES:
-        return "direct", needed
-    return "scatter", needed
+        return "direct", needed, None
+    return "scatter", needed, None
+
+
+def _device_perm(source: TensorSource, block_shape: Sequence[int], dtype: Any) -> tuple[int, ...] | None:
+    if not isinstance(source, transforms.Transpose):
+        return None
+    if math.prod(block_shape) * np.dtype(dtype).itemsize < DEVICE_TRANSPOSE_MIN_BYTES:
+        return None
+    return source.perm
 
 
 def plan_load(
@@ -230,13 +298,20 @@ def plan_load(
             if device.process_index != process_index:
                 continue
             grouped.setdefault(index, []).append(device.id)
+        perm = None
+        if grouped:
+            first = next(iter(grouped))
+            perm = _device_perm(source, [b - a for a, b in first], request.target_dtype)
+        read_source = source.child if perm is not None else source
         blocks = []
         for index, ids in grouped.items():
             ids.sort(key=mesh_order.__getitem__)
-            runs = source.stored.block_runs(index) if source.stored is not None else None
-            blocks.append(Block(index, tuple(ids), runs))
+            read_index = source.child_index(index) if perm is not None else None
+            stored = read_source.stored
+            runs = stored.block_runs(read_index or index) if stored is not None else None
+            blocks.append(Block(index, tuple(ids), runs, read_index))
         blocks.sort(key=lambda b: (b.index, mesh_order[b.device_ids[0]]))
-        strategy, read_bytes = _choose_strategy(source, blocks)
+        strategy, read_bytes, union = _choose_strategy(read_source, blocks)
         spec = tuple(request.spec) + (None,) * (len(shape) - len(tuple(request.spec)))
         variables.append(
             VariablePlan(
@@ -249,6 +324,8 @@ def plan_load(
                 blocks=tuple(blocks),
                 strategy=strategy,
                 read_bytes=read_bytes if blocks else 0,
+                union=union,
+                device_perm=perm,
             )
         )
     return LoadPlan(tuple(variables), process_index, axis_sizes)

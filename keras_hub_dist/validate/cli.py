@@ -120,9 +120,10 @@ def _add_validate_flags(parser: argparse.ArgumentParser) -> None:
         default="keras",
         help="Format of the synthetic checkpoint the load phase writes for a named "
         "architecture: keras (a KerasHub preset) or huggingface (config.json + "
-        "safetensors, loaded through KerasHub's converter; Gemma and Llama "
-        "architectures, in --dtype or the architecture's own dtype). A preset "
-        "directory is read in its own format. Default: %(default)s.",
+        "safetensors, loaded through KerasHub's converter; Gemma (1) and Llama "
+        "architectures, e.g. gemma_7b_en or llama3_8b_en, in --dtype or the "
+        "architecture's own dtype). A preset directory is read in its own format. "
+        "Default: %(default)s.",
     )
     add("--quiet", action="store_true", help="No progress lines, only the table.")
 

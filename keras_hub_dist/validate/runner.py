@@ -137,7 +137,12 @@ def _run_worker(
             )
         else:
             error = result.get("error") or f"exited with status {returncode}"
-        result = {"ok": False, "error": error, "log_tail": result.get("traceback") or tail}
+        result = {
+            "ok": False,
+            "error": error,
+            "log_tail": result.get("traceback") or tail,
+            **({"input_error": True} if result.get("input_error") else {}),
+        }
     result["returncode"] = returncode
     result["process_wall_s"] = elapsed
     return result
@@ -321,6 +326,9 @@ def _prepare_preset(
     result = _run_worker(spec, workdir, "write-preset", env, options)
     if not result.get("ok"):
         shutil.rmtree(partial, ignore_errors=True)
+        if result.get("input_error"):
+            # e.g. an architecture its Hugging Face layout cannot keep.
+            raise ValueError(f"Could not write a {what} of {options.preset!r}: {result['error']}")
         raise RuntimeError(
             f"Could not write a {what} of {options.preset!r}: "
             f"{result['error']}\n{result.get('log_tail', '')}"
@@ -330,13 +338,21 @@ def _prepare_preset(
         f"{what}: {format_bytes(result['bytes_on_disk'])} written in "
         f"{result['wall_s']:.1f} s by {result['writer']}"
     )
-    return out_dir, {
+    entry = {
         "preset_dir": out_dir,
         "format": fmt,
         "writer": result["writer"],
         "bytes_on_disk": result["bytes_on_disk"],
         "wall_s": result["wall_s"],
     }
+    if result.get("config_differences"):
+        # Same weights, other numerics (see `worker.hf_round_trip_differences`).
+        entry["config_differences"] = list(result["config_differences"])
+        say(
+            f"{what}: same weights, but KerasHub's converter reads back "
+            + "; ".join(entry["config_differences"])
+        )
+    return out_dir, entry
 
 
 def _is_hf_dir(path: str) -> bool:

@@ -19,7 +19,8 @@ Schema (draft 7) and `check_report` validates a report against it with the
             config} | null,
   "environment": {platform, device_kind, device_count, versions} | null,
   "synthetic_preset": {preset_dir, format: "keras" | "huggingface" (optional),
-                       writer, bytes_on_disk, wall_s} | null,
+                       writer, bytes_on_disk, wall_s,
+                       config_differences: [str] (optional)} | null,
   "budget_bytes": int | null, "budget_source": "hbm_gb" | "bytes_limit" | null,
   "cases": [{
       "phase": "init" | "load", "case": "ours" | "stock", "ok": bool,
@@ -171,6 +172,7 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "preset_dir": {"type": "string"},
                 "format": _FORMAT,
                 "writer": {"type": "string"},
+                "config_differences": {"type": "array", "items": {"type": "string"}},
             },
         },
         "budget_bytes": {"type": ["integer", "null"], "minimum": 0},

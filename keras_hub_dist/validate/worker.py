@@ -37,7 +37,13 @@ import warnings  # noqa: E402
 from collections.abc import Mapping, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-__all__ = ["hf_checkpoint_dtype", "main", "resolve_architecture", "run_task"]
+__all__ = [
+    "hf_checkpoint_dtype",
+    "hf_round_trip_differences",
+    "main",
+    "resolve_architecture",
+    "run_task",
+]
 
 # The result file stays small whatever the case's length: the timeline is
 # downsampled to this many points, and only the programs with the largest
@@ -375,14 +381,20 @@ def _write_preset(spec: Mapping[str, Any]) -> dict[str, Any]:
     cls, config, source = resolve_architecture(
         spec["preset"], dict(spec.get("overrides") or {}), spec.get("dtype")
     )
+    extra: dict[str, Any] = {}
+    if fmt == "huggingface":
+        # Checked before anything is written (and not timed).
+        dtype = spec.get("checkpoint_dtype") or hf_checkpoint_dtype(
+            cls.__name__, spec.get("dtype") or _policy_name(config.get("dtype")), spec["preset"]
+        )
+        extra["config_differences"] = hf_round_trip_differences(
+            cls, config, dtype, spec["preset"]
+        )
     start = time.perf_counter()
     # Streamed tensor by tensor: a full-size model is never built in memory.
     if fmt == "huggingface":
         from keras_hub_dist.formats.synthetic_hf import write_synthetic_hf_checkpoint
 
-        dtype = spec.get("checkpoint_dtype") or hf_checkpoint_dtype(
-            cls.__name__, spec.get("dtype") or _policy_name(config.get("dtype")), spec["preset"]
-        )
         write_synthetic_hf_checkpoint(
             out_dir,
             cls,
@@ -424,7 +436,80 @@ def _write_preset(spec: Mapping[str, Any]) -> dict[str, Any]:
         "writer": writer,
         "bytes_on_disk": size,
         "wall_s": time.perf_counter() - start,
+        **extra,
     }
+
+
+_MISSING = object()
+# Config fields that never decide a weight's shape, compared for the record.
+_IGNORED_FIELDS = ("dtype", "name", "trainable")
+
+
+def hf_round_trip_differences(
+    cls: type, config: Mapping[str, Any], dtype: str, preset: str
+) -> list[str]:
+    """What the architecture loses in its Hugging Face layout, checked harmless.
+
+    The synthetic checkpoint's config.json (`formats.synthetic_hf.hf_layout`)
+    is read back through KerasHub's converter, as both loaders will read it.
+    Fields that come back otherwise (e.g. Llama's `layer_norm_epsilon`, which
+    the converter does not read, or Llama 3.1's RoPE scaling) are listed;
+    they are fine as long as the model has the very same weights (paths and
+    shapes, compared on models built without values). The load phase then
+    measures this architecture's weights exactly.
+
+    Returns:
+        `"field=value reads back as other"` per changed field (empty when
+        the round trip is exact).
+
+    Raises:
+        ValueError: The checkpoint would load as a model with other weights
+            (e.g. Gemma 2's extra norms in Gemma's layout), or another class.
+    """
+    import inspect
+
+    from keras_hub_dist.formats import huggingface
+    from keras_hub_dist.formats.synthetic_hf import hf_layout
+
+    hf_config, _ = hf_layout(cls, config, dtype)
+    back_cls, back = huggingface.backbone_config(hf_config, f"{preset} (synthetic)")
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(back_cls.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    differences = []
+    for key, value in config.items():
+        if key in _IGNORED_FIELDS:
+            continue
+        got = back.get(key, defaults.get(key, _MISSING))
+        if got != value:
+            shown = "(no such argument)" if got is _MISSING else repr(got)
+            differences.append(f"{key}={value!r} reads back as {shown}")
+    same_class = issubclass(back_cls, cls) or issubclass(cls, back_cls)
+    if same_class and not differences:
+        return []
+    if same_class and _weight_specs(cls, config, dtype) == _weight_specs(back_cls, back, dtype):
+        return differences
+    raise ValueError(
+        f"--checkpoint_format huggingface cannot write {preset!r} faithfully: its "
+        f"Hugging Face layout (model_type={hf_config.get('model_type')!r}) reads back "
+        f"through KerasHub's converter as a {back_cls.__name__} with other weights ("
+        + ", ".join(differences or [f"class {back_cls.__name__} instead of {cls.__name__}"])
+        + "). Expected an architecture that layout keeps (e.g. gemma_7b_en, "
+        f"llama3_8b_en). Received: --preset {preset} ({cls.__name__}). Use "
+        "--checkpoint_format keras for this architecture."
+    )
+
+
+def _weight_specs(cls: type, config: Mapping[str, Any], dtype: str) -> list[tuple[str, tuple]]:
+    """`(path, shape)` of every weight, from a model built without values."""
+    from keras_hub_dist.plan.abstract import abstract_backbone
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = abstract_backbone(serialized_config(cls, {**config, "dtype": dtype}))
+    return sorted((v.path, tuple(v.shape)) for v in built.variables)
 
 
 def hf_checkpoint_dtype(class_name: str, dtype: str | None, preset: str) -> str:
@@ -491,6 +576,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = {
             "ok": False,
             "error": f"{type(e).__name__}: {e}",
+            # A ValueError (PresetError included) is about the input: the
+            # parent reports it as such, without the traceback.
+            "input_error": isinstance(e, ValueError),
             "traceback": traceback.format_exc(),
         }
         code = 1

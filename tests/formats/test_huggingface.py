@@ -59,7 +59,7 @@ def llama_dir(tmp_path):
 def _bitwise_equal(a, b):
     a, b = np.asarray(a), np.asarray(b)
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
-        a.view(np.uint8), b.view(np.uint8)
+        np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8)
     )
 
 
@@ -84,6 +84,23 @@ def test_each_device_reads_only_its_block_and_memory_stays_at_the_floor(llama_di
             assert shard.data.shape == layout.shard_shape(var.shape)
     q = model.get_layer("transformer_layer_0")._self_attention_layer._query_dense.kernel
     assert "model" in q.value.sharding.spec  # sharded, not replicated
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
+def test_large_transposes_run_on_the_device_bitwise_equal(llama_dir, mesh_shape, monkeypatch):
+    from keras_hub_dist.load import block_plan, execute
+
+    monkeypatch.setattr(block_plan, "DEVICE_TRANSPOSE_MIN_BYTES", 0)  # every block
+    calls = []
+    transposer = execute._transposer
+    monkeypatch.setattr(
+        execute, "_transposer", lambda perm, sharding: calls.append(perm) or transposer(perm, sharding)
+    )
+    reference = keras_hub.models.Backbone.from_preset(llama_dir)
+    model, report = load_sharded_preset(llama_dir, mesh=mesh_shape, memory_report=True, progress=False)
+    assert calls and report.bytes_read == report.file_bytes
+    for ref, var in zip(reference.weights, model.weights):
+        assert _bitwise_equal(ref.value, var.value), ref.path
 
 
 def _header_bytes(path):

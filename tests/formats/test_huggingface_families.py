@@ -33,8 +33,13 @@ SETTINGS = {
 
 
 def _inputs(config, backbone):
+    """Inputs of a forward pass, or None where the backbone needs media
+    inputs this test does not build (Gemma 4 / Qwen 3.5 towers): their
+    weights are still compared bitwise."""
     inputs = {"token_ids": np.arange(3, 11, dtype="int32")[None], "padding_mask": np.ones((1, 8), "int32")}
-    names = {t.name for t in backbone.inputs} if hasattr(backbone, "inputs") else set(inputs)
+    names = {t.name for t in backbone.inputs}
+    if names - set(inputs) - {"images", "vision_mask", "vision_indices"}:
+        return None
     if "images" in names:
         vision = config["vision_config"]
         tokens = config.get("mm_tokens_per_image", 4)
@@ -57,7 +62,7 @@ def _unnumbered(path):
 
 def _bits(value):
     array = np.asarray(value)
-    return array.dtype, array.shape, array.view(np.uint8).tobytes()
+    return array.dtype, array.shape, np.atleast_1d(array).view(np.uint8).tobytes()
 
 
 def test_every_tested_model_type_has_a_fixture():
@@ -72,17 +77,19 @@ def test_every_tested_model_type_has_a_fixture():
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("case", list(MODULES))
-def test_family_loads_sharded_bitwise_equal_to_stock(case, setting, tmp_path):
+def test_family_loads_sharded_bitwise_equal_to_stock(case, setting, tmp_path, capsys):
     s = SETTINGS[setting]
     config, tensors = MODULES[case].hf_checkpoint(case, tied=s["tied"], dtype=s["file_dtype"])
     path = write_hf_checkpoint(str(tmp_path / case), config, tensors, num_shards=s["shards"])
 
     stock = keras_hub.models.Backbone.from_preset(path, dtype=s["dtype"])
     inputs = _inputs(config, stock)
-    expected = _outputs(stock, inputs) if s["dtype"] is None else None
+    expected = _outputs(stock, inputs) if s["dtype"] is None and inputs else None
+    capsys.readouterr()  # what stock printed (Qwen 3.5's converter audits)
     model, report = load_sharded_preset(
         path, mesh=s["mesh"], dtype=s["dtype"], memory_report=True, progress=False
     )
+    assert capsys.readouterr().out == ""  # the library prints nothing
     assert type(model) is type(stock)
     assert report.format == "huggingface"
     assert report.fallbacks == (), report.fallbacks

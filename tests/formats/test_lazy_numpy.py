@@ -168,3 +168,19 @@ def test_mxfp4_blocks_equal_the_converters_dequantization(tmp_path):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     # Only the 32-groups covering the range are read.
     assert source.read_nbytes(((0, 1), (32, 64), (0, 1))) == 16 + 1
+
+
+def test_large_transposes_copied_in_tiles_equal_numpy(tmp_path):
+    rng = np.random.default_rng(2)
+    arrays = {
+        "w": rng.standard_normal((600, 700), dtype=np.float32).astype(ml_dtypes.bfloat16),
+        "h": rng.standard_normal((3 * 200, 300), dtype=np.float32),
+    }
+    path = os.path.join(tmp_path, "big.safetensors")
+    save_file(arrays, path)
+    header = read_header(path)
+    w = LazyArray(transforms.view(header.tensors["w"], (600, 700), "w"))
+    h = LazyArray(transforms.view(header.tensors["h"], (600, 300), "h"))
+    _check(w.T, arrays["w"].T)
+    fn = lambda x: np.transpose(np.reshape(x, (3, 200, 300)), (0, 2, 1))  # noqa: E731
+    _check(fn(h), fn(arrays["h"]))

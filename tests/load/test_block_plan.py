@@ -156,8 +156,35 @@ def test_strategies():
         DatasetInfo("/f.h5", "d", (64, 32), np.dtype(np.float32), None, 64 * 32 * 4)
     )
     h5 = plan_load([VariableRequest("d", chunked, (None, "model"), np.float32)], mesh)
-    assert h5.variables[0].strategy == "read"
+    # A transform runs once over the box the local blocks tile, not per block.
+    assert h5.variables[0].strategy == "read_union"
+    assert h5.variables[0].union == ((0, 64), (0, 32))
+    assert h5.variables[0].read_bytes == 64 * 32 * 4
     assert all(b.runs is None for b in h5.variables[0].blocks)
+    norm = dataset_source(DatasetInfo("/f.h5", "n", (32,), np.dtype(np.float32), None, 128))
+    replicated = plan_load([VariableRequest("n", norm, (None,), np.float32)], mesh)
+    assert replicated.variables[0].strategy == "read"  # one block: nothing to share
+
+
+def test_read_union_covers_only_this_process_blocks():
+    mesh = FakeMesh({"batch": 1, "model": 8}, num_processes=2)
+    chunked = dataset_source(
+        DatasetInfo("/f.h5", "d", (64, 32), np.dtype(np.float32), None, 64 * 32 * 4)
+    )
+    for p, box in ((0, ((0, 64), (0, 16))), (1, ((0, 64), (16, 32)))):
+        var = plan_load([VariableRequest("d", chunked, (None, "model"), np.float32)], mesh, process_index=p).variables[0]
+        assert var.strategy == "read_union" and var.union == box
+        assert var.read_bytes == 64 * 16 * 4
+
+
+def test_bfloat16_widening_is_exact_for_every_bit_pattern():
+    from keras_hub_dist.load.execute import _cast
+
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16)
+    widened = _cast(patterns, np.dtype(np.float32))
+    np.testing.assert_array_equal(
+        widened.view(np.uint32), patterns.astype(np.float32).view(np.uint32)
+    )
 
 
 @pytest.mark.parametrize("num_processes", [2, 4])

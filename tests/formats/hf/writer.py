@@ -42,7 +42,7 @@ def write_hf_checkpoint(
         json.dump(dict(config), f, indent=2)
     names = list(tensors)
     if num_shards <= 1:
-        save_file({k: np.ascontiguousarray(tensors[k]) for k in names},
+        save_file({k: np.asarray(tensors[k], order="C") for k in names},
                   os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
         return directory
     weight_map = {}
@@ -50,7 +50,7 @@ def write_hf_checkpoint(
     for s in range(num_shards):
         part = names[s::num_shards]
         fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
-        save_file({k: np.ascontiguousarray(tensors[k]) for k in part},
+        save_file({k: np.asarray(tensors[k], order="C") for k in part},
                   os.path.join(directory, fname), metadata={"format": "pt"})
         for k in part:
             weight_map[k] = fname
