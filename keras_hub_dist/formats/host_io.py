@@ -21,7 +21,7 @@ from keras_hub_dist.errors import PresetError
 if TYPE_CHECKING:
     from keras_hub_dist.formats.base import ByteRuns
 
-__all__ = ["IOV_MAX", "MAX_READ", "aligned_empty", "copy_into", "preadv_full", "read_runs"]
+__all__ = ["IOV_MAX", "MAX_READ", "aligned_empty", "preadv_full", "read_runs"]
 
 # XLA's CPU client aliases host buffers aligned to this instead of copying.
 _ALIGNMENT = 64
@@ -50,22 +50,6 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
     start = (-raw.ctypes.data) % _ALIGNMENT
     return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def _bits(array: np.ndarray) -> np.ndarray:
-    if array.dtype.kind in "biu" or array.dtype.itemsize not in (1, 2, 4, 8):
-        return array
-    return array.view(np.dtype(f"u{array.dtype.itemsize}"))
-
-
-def copy_into(out: np.ndarray, array: np.ndarray) -> None:
-    """`out[...] = array`, moving bits when the dtypes are equal: NumPy
-    copies extension dtypes (ml_dtypes' bfloat16) element by element through
-    generic functions, several times slower than same-width integers."""
-    if out.dtype == array.dtype:
-        _bits(out)[...] = _bits(array)
-    else:
-        out[...] = array
 
 
 def preadv_full(fd: int, buffers: list[memoryview], offset: int) -> int:

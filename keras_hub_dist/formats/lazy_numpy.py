@@ -302,7 +302,8 @@ def _joined(kind: type, arrays: Sequence[Any], axis: int, dtype: Any = None, **k
             )
     out_dtype = np.dtype(dtype) if dtype is not None else np.result_type(*(a.dtype for a in arrays))
     sources = [a.source for a in arrays]
-    return LazyArray(kind(sources, axis, out_dtype), frozenset().union(*(a.leaves for a in arrays)))
+    joined = transforms.join(kind, sources, axis, out_dtype)
+    return LazyArray(joined, frozenset().union(*(a.leaves for a in arrays)))
 
 
 def _expand_dims(a: Any, axis: Any) -> Any:

@@ -48,6 +48,7 @@ __all__ = [
     "Stack",
     "Transpose",
     "fallbacks",
+    "join",
     "reshape",
     "view",
 ]
@@ -62,7 +63,7 @@ def _full(shape: Sequence[int]) -> Index:
 
 def _fresh(array: np.ndarray, dtype: Any = None) -> np.ndarray:
     out = host_io.aligned_empty(array.shape, np.dtype(dtype or array.dtype))
-    host_io.copy_into(out, array)
+    out[...] = array
     return out
 
 
@@ -110,17 +111,17 @@ class Transpose(TensorSource):
         moved = self.child.read(self.child_index(index)).transpose(self.perm)
         out = host_io.aligned_empty(moved.shape, moved.dtype)
         # Copy in square tiles: a plain strided copy walks one side across
-        # cache lines element by element (2-4x slower on large kernels).
+        # cache lines element by element (about 2x slower on large kernels).
         inner = self.perm.index(len(self.perm) - 1) if self.perm else 0
         last = len(self.perm) - 1
         if not self.perm or inner == last or moved.size < _TILE * _TILE:
-            host_io.copy_into(out, moved)
+            out[...] = moved
             return out
         for a in range(0, moved.shape[inner], _TILE):
             for b in range(0, moved.shape[last], _TILE):
                 tile = [slice(None)] * len(self.perm)
                 tile[inner], tile[last] = slice(a, a + _TILE), slice(b, b + _TILE)
-                host_io.copy_into(out[tuple(tile)], moved[tuple(tile)])
+                out[tuple(tile)] = moved[tuple(tile)]
         return out
 
     def read_nbytes(self, index: Index) -> int:
@@ -195,10 +196,7 @@ class _Joined(TensorSource):
             block = child.read(child_index)
             target = [slice(None)] * len(index)
             target[self.axis] = slice(lo, hi)
-            host_io.copy_into(
-                out[tuple(target)],
-                block[(slice(None),) * self.axis + (None,)] if self.new_axis else block,
-            )
+            out[tuple(target)] = block[(slice(None),) * self.axis + (None,)] if self.new_axis else block
         return out
 
     def read_nbytes(self, index: Index) -> int:
@@ -215,6 +213,22 @@ class Concat(_Joined):
     """`np.concatenate(children, axis)`."""
 
     new_axis = False
+
+
+def join(kind: type, children: Sequence[TensorSource], axis: int, dtype: Any) -> TensorSource:
+    """`Stack` or `Concat` of `children`, with a transpose they all share
+    moved outside: `stack([x.T, y.T])` is `stack([x, y]).T` up to the axis
+    order. Expert banks are built that way, and a transpose at the root can
+    run on the devices (`load.block_plan`)."""
+    perms = {c.perm for c in children if isinstance(c, Transpose)}
+    if len(perms) != 1 or not all(isinstance(c, Transpose) for c in children):
+        return kind(children, axis, dtype)
+    (perm,) = perms
+    inner = [c.child for c in children]
+    if kind is Concat:
+        return Transpose(Concat(inner, perm[axis], dtype), perm)
+    outer = [1 + p for p in perm[:axis]] + [0] + [1 + p for p in perm[axis:]]
+    return Transpose(Stack(inner, 0, dtype), outer)
 
 
 class Cast(TensorSource):

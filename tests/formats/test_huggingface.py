@@ -103,6 +103,20 @@ def test_large_transposes_run_on_the_device_bitwise_equal(llama_dir, mesh_shape,
         assert _bitwise_equal(ref.value, var.value), ref.path
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+def test_expert_banks_transpose_on_the_device_bitwise_equal(tmp_path, case, monkeypatch):
+    from keras_hub_dist.load import block_plan
+    from tests.formats.hf import moe
+
+    monkeypatch.setattr(block_plan, "DEVICE_TRANSPOSE_MIN_BYTES", 0)
+    config, tensors = moe.hf_checkpoint(case, tied=False, dtype="bfloat16")
+    path = write_hf_checkpoint(str(tmp_path / case), config, tensors, num_shards=2)
+    reference = keras_hub.models.Backbone.from_preset(path)
+    model = load_sharded_preset(path, mesh=(2, 4), progress=False)
+    for ref, var in zip(reference.weights, model.weights):
+        assert _bitwise_equal(ref.value, var.value), ref.path
+
+
 def _header_bytes(path):
     with open(path, "rb") as f:
         return 8 + int.from_bytes(f.read(8), "little")

@@ -68,6 +68,11 @@ CASES = {
     "stack_last": lambda x: np.stack([x["e0"], x["e1"]], axis=-1),
     "concat_gate_up": lambda x: np.concatenate([x["e0"].T, x["e1"].T], axis=-1),
     "concat_rows": lambda x: np.concatenate([x["e0"], x["e1"], x["e2"]], axis=0),
+    "stack_mixed": lambda x: np.stack([x["e0"].T, x["e1"].T, np.transpose(x["e2"])], axis=1),
+    "stack_of_concats": lambda x: np.stack(
+        [np.concatenate([x["e0"].T, x["e1"].T], axis=-1), np.concatenate([x["e2"].T, x["e0"].T], axis=-1)]
+    ),
+    "stack_untransposed_and_transposed": lambda x: np.stack([x["e0"][:, :8], x["e1"][:, :8].T]),
     "slice_rows": lambda x: x["q"][8:16],
     "slice_int": lambda x: x["q"][3, 2:10],
     "ellipsis": lambda x: x["conv"][..., 1:3],
@@ -89,6 +94,13 @@ def test_block_reads_equal_numpy(stored, name):
     lazy = {k: v[0] for k, v in stored.items()}
     real = {k: v[1] for k, v in stored.items()}
     _check(CASES[name](lazy), CASES[name](real))
+
+
+def test_a_shared_transpose_moves_outside_stacks_and_concats(stored):
+    lazy = {k: v[0] for k, v in stored.items()}
+    bank = np.stack([np.concatenate([lazy["e0"].T, lazy["e1"].T], axis=-1)] * 2)
+    assert isinstance(bank.source, transforms.Transpose)  # at the root: a device transpose
+    assert isinstance(bank.source.child, transforms.Stack)
 
 
 def test_heads_reshape_reads_only_the_block(stored):
