@@ -46,13 +46,18 @@ def main() -> None:
 
     import keras_hub_dist
 
-    weights_file = os.path.realpath(os.path.join(preset, "model.weights.h5"))
+    # KerasHub's model.weights.h5, or a Hugging Face checkpoint's shards.
+    weights_files = {
+        os.path.realpath(os.path.join(preset, name))
+        for name in os.listdir(preset)
+        if name.endswith((".weights.h5", ".safetensors"))
+    }
     reads: list[tuple[int, int]] = []
     original_preadv = os.preadv
     original_pread = os.pread
 
     def is_weights(fd: int) -> bool:
-        return os.path.realpath(f"/proc/self/fd/{fd}") == weights_file
+        return os.path.realpath(f"/proc/self/fd/{fd}") in weights_files
 
     def recording_preadv(fd, buffers, offset, *args):
         n = original_preadv(fd, buffers, offset, *args)

@@ -167,3 +167,39 @@ def test_each_process_reads_only_its_shards(
             blocks_seen.add((r0, r1, c0, c1))
     assert sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in blocks_seen) == 256 * 64
 
+
+
+def test_hugging_face_checkpoint_each_process_reads_only_its_share(tmp_path):
+    """The same guarantees for a Hugging Face checkpoint: each process reads
+    exactly the bytes of the blocks its devices hold (transposed kernels
+    included), and the model computes the single-process logits."""
+    from tests.formats.hf.writer import write_hf_checkpoint
+    from tests.formats.test_huggingface import llama_checkpoint
+
+    config, tensors = llama_checkpoint(seed=4)
+    config["vocab_size"] = 256
+    rng = np.random.default_rng(4)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = rng.standard_normal((256, 64), dtype=np.float32) * 0.5
+    preset = write_hf_checkpoint(str(tmp_path / "hf_llama"), config, tensors, num_shards=2)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    reports = _run_job(preset, 2, 4, "1x8", out_dir)
+    file_bytes = sum(t.nbytes for t in tensors.values())
+    total = 0
+    for report in reports:
+        held_bytes = sum(
+            int(np.prod([b - a for a, b in block])) * 4
+            for held in report["held"].values()
+            for block in held["blocks"]
+        )
+        read_bytes = sum(n for _, n in report["reads"])
+        assert read_bytes == held_bytes  # its own blocks, each once
+        assert read_bytes < file_bytes
+        total += read_bytes
+    replicated = sum(t.nbytes for t in tensors.values() if t.ndim == 1)
+    assert total == file_bytes + replicated  # norms: once per process
+    reference = _reference_logits(preset, "1x8")
+    for process_id in range(2):
+        logits = np.load(out_dir / f"logits_{process_id}.npy")
+        np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)
