@@ -316,3 +316,41 @@ def test_synthetic_hf_checkpoint_is_read_by_stock_and_loads_equal(tmp_path, cls_
         write_synthetic_hf_checkpoint(path, cls, config)
     with pytest.raises(PresetError, match="No Hugging Face layout for MixtralBackbone"):
         write_synthetic_hf_checkpoint(str(tmp_path / "x"), keras_hub.models.MixtralBackbone, config)
+
+
+def _byte_level_tokenizer(path, vocab_size):
+    """tokenizer.json + tokenizer_config.json of a byte-level BPE: a token per
+    byte, two merges, and Llama 3's special tokens."""
+    from keras_hub_dist.formats.synthetic import _bytes_to_unicode
+
+    vocab = {c: i for i, c in enumerate(_bytes_to_unicode())}
+    vocab.update({"he": 256, "ll": 257})
+    specials = [{"id": vocab_size - 5 + i, "content": c} for i, c in enumerate(
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    )]
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        json.dump({"model": {"type": "BPE", "vocab": vocab, "merges": ["h e", "l l"]},
+                   "added_tokens": specials}, f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}, f)
+
+
+def test_causal_lm_task_from_an_hf_checkpoint_generates_like_stock(tmp_path):
+    config, tensors = llama_checkpoint(seed=7)
+    config["vocab_size"] = 264
+    rng = np.random.default_rng(7)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = rng.standard_normal((264, H), dtype=np.float32) * 0.5
+    path = write_hf_checkpoint(str(tmp_path / "lm"), config, tensors)
+    _byte_level_tokenizer(path, 264)
+
+    stock = keras_hub.models.CausalLM.from_preset(path)
+    stock.compile(sampler="greedy")
+    prompts = ["hello", "he fell"]  # a batch the mesh's batch axis divides
+    expected = stock.generate(prompts, max_length=12)
+    lm = load_sharded_preset(path, mesh=(2, 4), task="causal_lm", progress=False)
+    assert type(lm) is type(stock)
+    for ref, var in zip(stock.backbone.weights, lm.backbone.weights):
+        assert _bitwise_equal(ref.value, var.value), ref.path
+    lm.compile(sampler="greedy")
+    assert list(lm.generate(prompts, max_length=12)) == list(expected)
