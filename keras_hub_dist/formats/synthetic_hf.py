@@ -106,7 +106,7 @@ def hf_layout(cls: type, config: Mapping[str, Any], dtype: str) -> tuple[dict, d
     return hf, shapes
 
 
-def _header(shapes: Mapping[str, tuple[int, ...]], dtype: str) -> tuple[bytes, int]:
+def _header(shapes: Mapping[str, tuple[int, ...]], dtype: str) -> bytes:
     itemsize = numpy_dtype(dtype).itemsize
     entries, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in shapes.items():
@@ -116,7 +116,7 @@ def _header(shapes: Mapping[str, tuple[int, ...]], dtype: str) -> tuple[bytes, i
         offset += size
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # data 8-byte aligned, as safetensors writes
-    return struct.pack("<Q", len(text)) + text, offset
+    return struct.pack("<Q", len(text)) + text
 
 
 def _write_tensor(f: Any, name: str, shape: tuple[int, ...], dtype: np.dtype, seed: int, bar: Any) -> None:
@@ -193,9 +193,8 @@ def write_synthetic_hf_checkpoint(
     total = sum(math.prod(s) for s in shapes.values()) * itemsize
     with byte_progress(total, "Writing synthetic HF checkpoint", progress) as bar:
         for fname, part in zip(names, files):
-            header, _ = _header(part, dtype)
             with open(os.path.join(out_dir, fname), "wb") as f:
-                f.write(header)
+                f.write(_header(part, dtype))
                 for name, shape in part.items():
                     _write_tensor(f, name, shape, numpy_dtype(dtype), seed, bar)
     if len(files) > 1:
