@@ -55,11 +55,23 @@ __all__ = [
     "TensorSource",
     "byte_runs",
     "compatible_dtypes",
+    "listing",
     "numpy_dtype",
 ]
 
 # `((start, stop), ...)`: one half-open range per dimension of a variable.
 Index = tuple[tuple[int, int], ...]
+
+
+# At most this many problems are spelled out in one error message.
+_MAX_LISTED = 12
+
+
+def listing(items: Sequence[str]) -> str:
+    """Items of an error message, one per indented line, the first 12 only."""
+    shown = list(items[:_MAX_LISTED])
+    more = len(items) - len(shown)
+    return "\n  " + "\n  ".join(shown) + (f"\n  ... and {more} more" if more > 0 else "")
 
 
 def numpy_dtype(dtype: Any) -> np.dtype:

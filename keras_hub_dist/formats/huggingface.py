@@ -55,6 +55,7 @@ from keras_hub_dist.formats.base import (
     StoredTensor,
     TensorSource,
     compatible_dtypes,
+    listing,
     numpy_dtype,
 )
 from keras_hub_dist.formats.lazy_numpy import LazyArray, Opaque, leaves_of
@@ -84,7 +85,6 @@ TESTED_MODEL_TYPES = (
     "qwen3_5", "qwen3_5_moe", "smollm3",
 )
 
-_MAX_LISTED = 12
 
 
 def recognizes(config: Mapping[str, Any]) -> bool:
@@ -294,12 +294,6 @@ def _source_of(
         return f"{variable.path}: the converter assigned a {type(value).__name__}"
 
 
-def _listing(items: list[str]) -> str:
-    shown = items[:_MAX_LISTED]
-    more = len(items) - len(shown)
-    return "\n  " + "\n  ".join(shown) + (f"\n  ... and {more} more" if more > 0 else "")
-
-
 def index_checkpoint(
     model: keras.Model, ref: str, label: str, config: Mapping[str, Any]
 ) -> CheckpointIndex:
@@ -374,7 +368,7 @@ def index_checkpoint(
             f"The Hugging Face checkpoint {label!r} does not fit the "
             f"{type(model).__name__} that KerasHub's converter builds from its "
             f"config.json (model_type={model_type!r}). {len(problems)} problem(s):"
-            + _listing(problems)
+            + listing(problems)
             + "\nFix: use the config.json that came with these weights, or "
             "download the checkpoint again."
         )
@@ -382,7 +376,7 @@ def index_checkpoint(
         warnings.warn(
             f"KerasHub's converter for model_type={model_type!r} assigns no value to "
             f"{len(unassigned)} weight(s) of {type(model).__name__}; they keep their "
-            "initial values, as with stock `from_preset`:" + _listing(unassigned),
+            "initial values, as with stock `from_preset`:" + listing(unassigned),
             UnconvertedWeightsWarning,
             stacklevel=3,
         )

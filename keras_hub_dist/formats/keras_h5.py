@@ -53,6 +53,7 @@ from keras_hub_dist.formats.base import (
     StoredTensorSource,
     TensorSource,
     compatible_dtypes,
+    listing,
     numpy_dtype,
 )
 
@@ -70,9 +71,6 @@ __all__ = [
     "read_datasets",
     "weights_files",
 ]
-
-# At most this many problems are spelled out in one error message.
-_MAX_LISTED = 12
 
 
 @dataclass(frozen=True)
@@ -352,12 +350,6 @@ def expected_datasets(model: keras.Model) -> dict[str, Any]:
     return store.records
 
 
-def _listing(items: Sequence[str]) -> str:
-    shown = list(items[:_MAX_LISTED])
-    more = len(items) - len(shown)
-    return "\n  " + "\n  ".join(shown) + (f"\n  ... and {more} more" if more > 0 else "")
-
-
 def build_index(model: keras.Model, weights_path: str) -> CheckpointIndex:
     """Matches every variable of `model` with its dataset in `weights_path`.
 
@@ -391,7 +383,7 @@ def build_index(model: keras.Model, weights_path: str) -> CheckpointIndex:
     ]
     if missing:
         problems.append(
-            f"{len(missing)} variable(s) missing from the file:" + _listing(missing)
+            f"{len(missing)} variable(s) missing from the file:" + listing(missing)
         )
     extra = [
         f"{n} (shape {d.shape}, {d.dtype})" for n, d in on_disk.items() if n not in expected
@@ -399,7 +391,7 @@ def build_index(model: keras.Model, weights_path: str) -> CheckpointIndex:
     if extra:
         problems.append(
             f"{len(extra)} dataset(s) in the file match no variable of "
-            f"{type(model).__name__}:" + _listing(extra)
+            f"{type(model).__name__}:" + listing(extra)
         )
     paths: dict[str, int] = {}
     for v in model.weights:
@@ -408,13 +400,13 @@ def build_index(model: keras.Model, weights_path: str) -> CheckpointIndex:
     if duplicated:
         problems.append(
             f"{len(duplicated)} variable path(s) are used by more than one "
-            "variable, so no layout map can address them:" + _listing(duplicated)
+            "variable, so no layout map can address them:" + listing(duplicated)
         )
     unsaved = [v.path for v in model.weights if id(v) not in by_variable]
     if unsaved:
         problems.append(
             f"{len(unsaved)} variable(s) that Keras's saver never writes, so "
-            "no file can fill them:" + _listing(unsaved)
+            "no file can fill them:" + listing(unsaved)
         )
 
     entries = []
@@ -446,7 +438,7 @@ def build_index(model: keras.Model, weights_path: str) -> CheckpointIndex:
         )
     if mismatched:
         problems.append(
-            f"{len(mismatched)} variable(s) do not match the file:" + _listing(mismatched)
+            f"{len(mismatched)} variable(s) do not match the file:" + listing(mismatched)
         )
     if problems:
         raise PresetError(
