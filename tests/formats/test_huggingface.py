@@ -18,36 +18,13 @@ from conftest import MESH_SHAPES
 
 from keras_hub_dist import PresetError, load_sharded_preset
 from keras_hub_dist.formats import huggingface
-from tests.formats.hf.writer import random_float, write_hf_checkpoint
+from tests.formats.hf import dense
+from tests.formats.hf.writer import write_hf_checkpoint
 
-H, I, V, L, NH, KV, D = 64, 128, 128, 2, 8, 2, 8
 
-
-def llama_checkpoint(dtype="float32", tied=False, seed=0):
-    rng = np.random.default_rng(seed)
-
-    def t(*shape):
-        return random_float(rng, shape, dtype)
-
-    tensors = {"model.embed_tokens.weight": t(V, H), "model.norm.weight": t(H)}
-    if not tied:
-        tensors["lm_head.weight"] = t(V, H)
-    for i in range(L):
-        p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": t(H), p + "post_attention_layernorm.weight": t(H),
-            p + "self_attn.q_proj.weight": t(NH * D, H), p + "self_attn.k_proj.weight": t(KV * D, H),
-            p + "self_attn.v_proj.weight": t(KV * D, H), p + "self_attn.o_proj.weight": t(H, NH * D),
-            p + "mlp.gate_proj.weight": t(I, H), p + "mlp.up_proj.weight": t(I, H),
-            p + "mlp.down_proj.weight": t(H, I),
-        })
-    config = dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=V, hidden_size=H,
-        intermediate_size=I, num_hidden_layers=L, num_attention_heads=NH,
-        num_key_value_heads=KV, head_dim=D, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=tied, max_position_embeddings=128, torch_dtype=dtype,
-    )
-    return config, tensors
+def llama_checkpoint(seed=0):
+    """The tiny untied float32 Llama of the family fixtures."""
+    return dense.hf_checkpoint("llama", tied=False, dtype="float32", seed=seed)
 
 
 @pytest.fixture
@@ -340,7 +317,7 @@ def test_causal_lm_task_from_an_hf_checkpoint_generates_like_stock(tmp_path):
     config["vocab_size"] = 264
     rng = np.random.default_rng(7)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        tensors[name] = rng.standard_normal((264, H), dtype=np.float32) * 0.5
+        tensors[name] = rng.standard_normal((264, dense.HIDDEN), dtype=np.float32) * 0.5
     path = write_hf_checkpoint(str(tmp_path / "lm"), config, tensors)
     _byte_level_tokenizer(path, 264)
 

@@ -173,10 +173,10 @@ def test_hugging_face_checkpoint_each_process_reads_only_its_share(tmp_path):
     """The same guarantees for a Hugging Face checkpoint: each process reads
     exactly the bytes of the blocks its devices hold (transposed kernels
     included), and the model computes the single-process logits."""
+    from tests.formats.hf import dense
     from tests.formats.hf.writer import write_hf_checkpoint
-    from tests.formats.test_huggingface import llama_checkpoint
 
-    config, tensors = llama_checkpoint(seed=4)
+    config, tensors = dense.hf_checkpoint("llama", tied=False, dtype="float32", seed=4)
     config["vocab_size"] = 256
     rng = np.random.default_rng(4)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
