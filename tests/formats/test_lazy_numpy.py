@@ -182,7 +182,7 @@ def test_mxfp4_blocks_equal_the_converters_dequantization(tmp_path):
     assert source.read_nbytes(((0, 1), (32, 64), (0, 1))) == 16 + 1
 
 
-def test_large_transposes_copied_in_tiles_equal_numpy(tmp_path):
+def test_large_transposes_equal_numpy(tmp_path):
     rng = np.random.default_rng(2)
     arrays = {
         "w": rng.standard_normal((600, 700), dtype=np.float32).astype(ml_dtypes.bfloat16),
