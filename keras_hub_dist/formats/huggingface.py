@@ -325,8 +325,7 @@ def index_checkpoint(
                 f"KerasHub's converter stopped: {type(e).__name__}: {e}"
             )
 
-    headers = {h.file: h for h in files.headers.values()}
-    tensors = {n: t for h in headers.values() for n, t in h.tensors.items()}
+    tensors = {n: t for h in files.headers.values() for n, t in h.tensors.items()}
     entries, unassigned, problems = [], [], list(trace.problems)
     seen: set[int] = set()
     model_type = str(config.get("model_type"))
@@ -380,10 +379,9 @@ def index_checkpoint(
             UnconvertedWeightsWarning,
             stacklevel=3,
         )
-    used = {t for h in headers.values() for n, t in h.tensors.items() if n in trace.read}
     return CheckpointIndex(
         files=files.files,
         entries=tuple(entries),
-        total_bytes=sum(t.nbytes for t in used),
+        total_bytes=sum(tensors[n].nbytes for n in trace.read),
         format=FORMAT,
     )

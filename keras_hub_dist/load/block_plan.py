@@ -48,7 +48,6 @@ plan.variables[0].blocks[0].device_ids   # (0, 4): both batch rows hold rows 0:N
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -228,16 +227,16 @@ class VariableRequest:
     target_dtype: Any
 
 
-def _tiled_box(blocks: Sequence[Block]) -> Index | None:
+def _tiled_box(indices: Sequence[Index]) -> Index | None:
     """The box that distinct grid blocks cover exactly, if they do."""
-    if len(blocks) < 2:
+    if len(indices) < 2:
         return None
     box = tuple(
-        (min(b.index[d][0] for b in blocks), max(b.index[d][1] for b in blocks))
-        for d in range(len(blocks[0].index))
+        (min(i[d][0] for i in indices), max(i[d][1] for i in indices))
+        for d in range(len(indices[0]))
     )
-    covered = sum(math.prod(b.shape) for b in blocks)
-    return box if covered == math.prod(stop - start for start, stop in box) else None
+    covered = sum(math.prod(b - a for a, b in i) for i in indices)
+    return box if covered == math.prod(b - a for a, b in box) else None
 
 
 def _read_index(block: Block) -> Index:
@@ -246,7 +245,7 @@ def _read_index(block: Block) -> Index:
 
 def _choose_strategy(source: TensorSource, blocks: Sequence[Block]) -> tuple[str, int, Index | None]:
     if source.stored is None:
-        box = _tiled_box([dataclasses.replace(b, index=_read_index(b)) for b in blocks])
+        box = _tiled_box([_read_index(b) for b in blocks])
         box_bytes = math.prod(b - a for a, b in box) * np.dtype(source.dtype).itemsize if box else 0
         if box is not None and box_bytes <= UNION_MAX_BYTES:
             return "read_union", source.read_nbytes(box), box
