@@ -7,6 +7,7 @@ import keras
 import keras_hub_dist
 
 model = keras_hub_dist.load_sharded_preset("gemma_7b_en", mesh=(1, 8))
+keras_hub_dist.save_sharded_preset(model, "./my_gemma")  # from every process
 ```
 """
 
@@ -38,6 +39,7 @@ from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
 from keras_hub_dist.errors import UnconvertedWeightsWarning  # noqa: E402
 from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
 from keras_hub_dist.errors import PresetError  # noqa: E402
+from keras_hub_dist.errors import SaveError  # noqa: E402
 from keras_hub_dist.errors import UnknownPresetError  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedGlorotNormal  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedGlorotUniform  # noqa: E402
@@ -52,6 +54,7 @@ from keras_hub_dist.init.initializers import DistributedVarianceScaling  # noqa:
 from keras_hub_dist.plan.layouts import get_layout_map  # noqa: E402
 from keras_hub_dist.load.loader import LoadReport  # noqa: E402
 from keras_hub_dist.load.loader import load_sharded_preset  # noqa: E402
+from keras_hub_dist.save.saver import save_sharded_preset  # noqa: E402
 from keras_hub_dist.validate.memory import MemorySampler  # noqa: E402
 from keras_hub_dist.plan.auto_layout import LayoutPlan  # noqa: E402
 from keras_hub_dist.plan.auto_layout import plan_layout  # noqa: E402
@@ -80,6 +83,7 @@ __all__ = [
     "MemorySampler",
     "MissingLayoutWarning",
     "PresetError",
+    "SaveError",
     "UnknownPresetError",
     "abstract_backbone",
     "gemma3_backbone",
@@ -95,6 +99,7 @@ __all__ = [
     "qwen3_backbone",
     "qwen_backbone",
     "registry",
+    "save_sharded_preset",
     "write_synthetic_hf_checkpoint",
     "write_synthetic_preset",
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "draw_seed",
     "forget_deferred_variables",
     "H5IOStore",
+    "host_array",
     "in_stateless_scope",
     "initialize_pending",
     "is_pending",
@@ -35,11 +36,16 @@ __all__ = [
     "pending_initializer",
     "preset_file",
     "preset_has_file",
+    "preset_file_names",
     "require_jax_backend",
+    "save_preset_config",
+    "save_preset_metadata",
     "safetensor_loader_class",
     "set_pending_initializer",
+    "ShardedH5IOStore",
     "transformers_converter",
     "variable_array",
+    "variables_size_in_bytes",
     "walk_saved_variables",
     "watch_compilations",
     "watch_executions",
@@ -329,22 +335,45 @@ def initialize_pending(variables: Iterator[Any] | list) -> None:
 from keras.src.saving import saving_lib as _saving_lib  # noqa: E402
 
 H5IOStore = _saving_lib.H5IOStore
+# Keras's multi-file weights (`model.weights.json` + `model_NNNNN.weights.h5`);
+# the sharded preset writer replays Keras's own file-switching rule with it.
+ShardedH5IOStore = _saving_lib.ShardedH5IOStore
 
 
-def walk_saved_variables(model: Any, store: Any) -> None:
+def walk_saved_variables(model: Any, store: Any, skip: Any = ()) -> None:
     """Runs Keras's `save_weights` walk over `model`, writing into `store`.
 
     `store` must be an `H5IOStore` subclass: Keras checks the type, then calls
     `store.make(inner_path, metadata)` per saveable and `store[key] = value`
-    per saved variable, in file order.
+    per saved variable, in file order. `skip` are saveables left out (as
+    `keras.saving.save_weights(..., objects_to_skip=...)` does).
     """
     _saving_lib._save_state(
         model,
         weights_store=store,
         assets_store=None,
         inner_path="",
-        visited_saveables=set(),
+        visited_saveables={id(o) for o in skip},
     )
+
+
+def host_array(array: jax.Array) -> Any:
+    """The host values of a single-device array, without caching them.
+
+    `np.asarray(array)` keeps a host copy inside the array when it had to
+    copy (every accelerator): writing a model's shards that way would leave a
+    host copy of the whole model behind. On CPU the result is a view of the
+    device buffer (no copy at all).
+    """
+    import numpy as np
+
+    convert = getattr(array, "_single_device_array_to_np_array_did_copy", None)
+    if convert is not None:
+        return convert()[0]
+    values = np.asarray(array)
+    with contextlib.suppress(AttributeError):
+        array._npy_value = None
+    return values
 
 
 def forget_deferred_variables(variables: Any) -> None:
@@ -421,6 +450,36 @@ def safetensor_loader_class() -> type:
 def preset_file(preset: str, name: str) -> str:
     """Local path of file `name` of `preset`, downloading it if needed."""
     return _preset_utils().get_file(preset, name)
+
+
+def save_preset_config(obj: Any, preset_dir: str, file_name: str) -> None:
+    """Writes `obj`'s config (config.json, task.json, ...) exactly as
+    `save_to_preset` does (KerasHub's `KerasPresetSaver`)."""
+    _preset_utils().KerasPresetSaver(preset_dir)._save_serialized_object(obj, file_name)
+
+
+def save_preset_metadata(backbone: Any, preset_dir: str) -> None:
+    """Writes metadata.json exactly as `save_to_preset` does."""
+    _preset_utils().KerasPresetSaver(preset_dir)._save_metadata(backbone)
+
+
+def variables_size_in_bytes(variables: Any) -> int:
+    """KerasHub's measure of a backbone's size, which decides whether
+    `save_to_preset` writes multi-file weights."""
+    return int(_preset_utils().KerasPresetSaver._get_variables_size_in_bytes(None, variables))
+
+
+def preset_file_names() -> dict[str, str]:
+    """KerasHub's preset file names (config, metadata, task, weights)."""
+    utils = _preset_utils()
+    return {
+        "config": utils.CONFIG_FILE,
+        "metadata": utils.METADATA_FILE,
+        "task": utils.TASK_CONFIG_FILE,
+        "weights": utils.MODEL_WEIGHTS_FILE,
+        "sharded_weights": utils.SHARDED_MODEL_WEIGHTS_CONFIG_FILE,
+        "task_weights": utils.TASK_WEIGHTS_FILE,
+    }
 
 
 def preset_has_file(preset: str, name: str) -> bool:

@@ -64,3 +64,13 @@ class UnknownPresetError(ValueError):
 
 
 __all__.append("UnknownPresetError")
+
+
+class SaveError(ValueError):
+    """A model cannot be saved as asked: it is not built, the target exists
+    (without `overwrite=True`) or is not writable, the processes disagree on
+    the target, or writing failed on some process (the target is then left
+    untouched)."""
+
+
+__all__.append("SaveError")

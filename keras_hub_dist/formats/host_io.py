@@ -1,8 +1,10 @@
-"""Host buffers and positioned reads: the only way weight bytes leave a file.
+"""Host buffers and positioned reads and writes: the only way weight bytes
+leave or enter a file.
 
 Every block is read into fresh, 64-byte-aligned anonymous memory with
 `os.preadv` (no memory map, so nothing loaded ever aliases the file, and no
-per-read Python object per run).
+per-read Python object per run); saved blocks are written from their own
+buffers with `os.pwritev`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import contextlib
 import math
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +23,17 @@ from keras_hub_dist.errors import PresetError
 if TYPE_CHECKING:
     from keras_hub_dist.formats.base import ByteRuns
 
-__all__ = ["IOV_MAX", "MAX_READ", "aligned_empty", "preadv_full", "read_runs"]
+__all__ = [
+    "IOV_MAX",
+    "MAX_READ",
+    "aligned_empty",
+    "contiguous_groups",
+    "preadv_full",
+    "pwritev_full",
+    "read_runs",
+    "sorted_pieces",
+    "write_runs",
+]
 
 # XLA's CPU client aliases host buffers aligned to this instead of copying.
 _ALIGNMENT = 64
@@ -105,3 +117,94 @@ def read_runs(
                 on_read(step, calls)
             position += step
             offset += step
+
+
+def pwritev_full(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """Writes `buffers`, in order, to the contiguous file bytes at `offset`.
+
+    Returns:
+        The number of `pwritev` calls made (a short write resumes).
+    """
+    calls = 0
+    pending = buffers
+    while pending:
+        n = os.pwritev(fd, pending, offset)
+        calls += 1
+        if n <= 0:
+            raise OSError(f"pwritev wrote nothing at offset {offset}")
+        offset += n
+        while pending and n >= len(pending[0]):
+            n -= len(pending[0])
+            pending = pending[1:]
+        if pending and n:
+            pending = [pending[0][n:]] + pending[1:]
+    return calls
+
+
+def write_runs(fd: int, runs: ByteRuns, values: np.ndarray) -> int:
+    """Writes C-contiguous `values` as `runs`, one after another.
+
+    Returns:
+        The number of `pwritev` calls made.
+    """
+    flat = memoryview(values.reshape(-1).view(np.uint8))
+    position = 0
+    calls = 0
+    for offset, length in runs:
+        end = position + length
+        while position < end:  # at most MAX_READ per call
+            step = min(end - position, MAX_READ)
+            calls += pwritev_full(fd, [flat[position : position + step]], offset)
+            position += step
+            offset += step
+    return calls
+
+
+def sorted_pieces(
+    block_runs: Sequence[ByteRuns],
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Every run of every block as `(file offset, length, block number,
+    offset in the block's buffer)`, four lists sorted by file offset."""
+    offsets, lengths, owners, targets = [], [], [], []
+    for i, runs in enumerate(block_runs):
+        if not runs.num_runs:
+            continue
+        if runs.counts:
+            grid = np.indices(runs.counts).reshape(len(runs.counts), -1)
+            starts = runs.offset + (np.asarray(runs.strides)[:, None] * grid).sum(axis=0)
+        else:
+            starts = np.asarray([runs.offset])
+        offsets.append(starts)
+        lengths.append(np.full(starts.size, runs.run_bytes))
+        owners.append(np.full(starts.size, i))
+        targets.append(np.arange(starts.size) * runs.run_bytes)
+    if not offsets:
+        return [], [], [], []
+    offset = np.concatenate(offsets)
+    order = np.argsort(offset, kind="stable")
+    return (
+        offset[order].tolist(),
+        np.concatenate(lengths)[order].tolist(),
+        np.concatenate(owners)[order].tolist(),
+        np.concatenate(targets)[order].tolist(),
+    )
+
+
+def contiguous_groups(offsets: Sequence[int], lengths: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """`(i, j)` per stretch of pieces `i:j` that are back to back in the
+    file: one `preadv`/`pwritev` each (at most `IOV_MAX` pieces, `MAX_READ`
+    bytes)."""
+    i, count = 0, len(offsets)
+    while i < count:
+        size = lengths[i]
+        j = i + 1
+        while (
+            j < count
+            and j - i < IOV_MAX
+            and size + lengths[j] <= MAX_READ
+            and offsets[j] == offsets[j - 1] + lengths[j - 1]
+        ):
+            size += lengths[j]
+            j += 1
+        yield i, j
+        i = j

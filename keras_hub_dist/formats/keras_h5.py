@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,7 @@ __all__ = [
     "build_index",
     "expected_datasets",
     "read_datasets",
+    "walk_saved_values",
     "weights_files",
 ]
 
@@ -300,30 +301,52 @@ def read_datasets(files: Sequence[str]) -> dict[str, DatasetInfo]:
     return found
 
 
-class _RecordingStore(_compat.H5IOStore):
-    """Stands in for Keras's H5 store and records `dataset name -> value`.
+class _WalkStore(_compat.H5IOStore):
+    """Stands in for Keras's H5 store and reports what would be written.
 
     Keras's walk calls `make(inner_path, metadata)` per saveable and then
-    `store[str(i)] = variable` per saved variable.
+    `store[str(i)] = value` per saved value; `on_group(path, metadata)` and
+    `on_value(dataset name, key, value)` hear of each, in file order. No
+    value is kept, so a computed one (a LoRA-merged kernel) lives only as
+    long as the callback holds it.
     """
 
-    def __init__(self) -> None:  # noqa: D107 - no file is opened on purpose
-        self.records: dict[str, Any] = {}
+    def __init__(  # noqa: D107 - no file is opened on purpose
+        self,
+        on_value: Callable[[str, str, Any], None],
+        on_group: Callable[[str, Mapping[str, Any] | None], None] | None = None,
+    ) -> None:
+        self._on_value = on_value
+        self._on_group = on_group
         self._inner_path = ""
 
     def __bool__(self) -> bool:
         return True
 
-    def make(self, path: str, metadata: Mapping[str, Any] | None = None) -> _RecordingStore:
+    def make(self, path: str, metadata: Mapping[str, Any] | None = None) -> _WalkStore:
         self._inner_path = path
+        if self._on_group is not None:
+            self._on_group(path, metadata)
         return self
 
     def __setitem__(self, key: str, value: Any) -> None:
         prefix = f"{self._inner_path}/vars" if self._inner_path else "vars"
-        self.records[f"{prefix}/{key}"] = value
+        self._on_value(f"{prefix}/{key}", key, value)
 
     def close(self) -> None:
         pass
+
+
+def walk_saved_values(
+    model: keras.Model,
+    on_value: Callable[[str, str, Any], None],
+    on_group: Callable[[str, Mapping[str, Any] | None], None] | None = None,
+    skip: Sequence[Any] = (),
+) -> None:
+    """Replays `model.save_weights`'s walk: `on_value(dataset name, key,
+    value)` per saved value and `on_group(inner path, metadata)` per saveable,
+    in the order Keras writes them; `skip` saveables are left out."""
+    _compat.walk_saved_variables(model, _WalkStore(on_value, on_group), skip)
 
 
 def expected_datasets(model: keras.Model) -> dict[str, Any]:
@@ -336,9 +359,9 @@ def expected_datasets(model: keras.Model) -> dict[str, Any]:
         PresetError: A layer saves a computed value rather than a variable
             (e.g. a LoRA-merged kernel), which cannot be loaded in place.
     """
-    store = _RecordingStore()
-    _compat.walk_saved_variables(model, store)
-    for name, value in store.records.items():
+    records: dict[str, Any] = {}
+    walk_saved_values(model, lambda name, key, value: records.__setitem__(name, value))
+    for name, value in records.items():
         if not isinstance(value, keras.Variable):
             raise PresetError(
                 f"Dataset {name!r} is saved from a computed value of type "
@@ -347,7 +370,7 @@ def expected_datasets(model: keras.Model) -> dict[str, Any]:
                 "merged quantization scales save computed values). Disable "
                 "LoRA / load the preset with stock `from_preset`."
             )
-    return store.records
+    return records
 
 
 def build_index(model: keras.Model, weights_path: str) -> CheckpointIndex:

@@ -43,7 +43,7 @@ import numpy as np
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats.base import Index
 from keras_hub_dist.formats import host_io
-from keras_hub_dist.formats.host_io import IOV_MAX, MAX_READ, aligned_empty, read_runs
+from keras_hub_dist.formats.host_io import aligned_empty, read_runs
 from keras_hub_dist.load.block_plan import Block, LoadPlan, VariablePlan
 
 __all__ = ["ExecuteStats", "execute_plan"]
@@ -139,65 +139,26 @@ def _input_sharding(sharding: jax.sharding.Sharding, perm: tuple[int, ...]) -> j
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*moved))
 
 
-def _pieces(var: VariablePlan) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Every run of every block as (file offset, length, block, buffer offset),
-    sorted by file offset."""
-    offsets, lengths, owners, targets = [], [], [], []
-    for i, block in enumerate(var.blocks):
-        runs = block.runs
-        if not runs.num_runs:
-            continue
-        if runs.counts:
-            grid = np.indices(runs.counts).reshape(len(runs.counts), -1)
-            starts = runs.offset + (np.asarray(runs.strides)[:, None] * grid).sum(axis=0)
-        else:
-            starts = np.asarray([runs.offset])
-        offsets.append(starts)
-        lengths.append(np.full(starts.size, runs.run_bytes))
-        owners.append(np.full(starts.size, i))
-        targets.append(np.arange(starts.size) * runs.run_bytes)
-    if not offsets:
-        return [], [], [], []
-    offset = np.concatenate(offsets)
-    order = np.argsort(offset, kind="stable")
-    return (
-        offset[order].tolist(),
-        np.concatenate(lengths)[order].tolist(),
-        np.concatenate(owners)[order].tolist(),
-        np.concatenate(targets)[order].tolist(),
-    )
-
-
 def _read_scatter(fds: _FileDescriptors, var: VariablePlan, stats: ExecuteStats) -> Iterator[tuple[Block, np.ndarray]]:
     """Reads each contiguous stretch of the file with one `preadv` whose iovecs
     point into the blocks' buffers; yields blocks as they complete."""
     fd = fds(var.read_source.stored.file)
-    offsets, lengths, owners, targets = _pieces(var)
+    offsets, lengths, owners, targets = host_io.sorted_pieces([b.runs for b in var.blocks])
     left = [0] * len(var.blocks)
     for b in owners:
         left[b] += 1
     hosts: dict[int, np.ndarray] = {}
     views: dict[int, memoryview] = {}
-    i, count = 0, len(offsets)
-    while i < count:
-        start = offsets[i]
+    for i, j in host_io.contiguous_groups(offsets, lengths):
         iovecs: list[memoryview] = []
-        size = 0
-        j = i
-        while (
-            j < count
-            and len(iovecs) < IOV_MAX
-            and size + lengths[j] <= MAX_READ
-            and (j == i or offsets[j] == offsets[j - 1] + lengths[j - 1])
-        ):
-            b = owners[j]
+        for k in range(i, j):
+            b = owners[k]
             if b not in views:
                 hosts[b] = aligned_empty(var.blocks[b].read_shape, var.source_dtype)
                 views[b] = memoryview(hosts[b].reshape(-1).view(np.uint8))
-            iovecs.append(views[b][targets[j] : targets[j] + lengths[j]])
-            size += lengths[j]
-            j += 1
-        stats.add_read(size, host_io.preadv_full(fd, iovecs, start))
+            iovecs.append(views[b][targets[k] : targets[k] + lengths[k]])
+        size = sum(lengths[i:j])
+        stats.add_read(size, host_io.preadv_full(fd, iovecs, offsets[i]))
         del iovecs
         for k in range(i, j):
             b = owners[k]
@@ -205,7 +166,6 @@ def _read_scatter(fds: _FileDescriptors, var: VariablePlan, stats: ExecuteStats)
             if not left[b]:
                 del views[b]
                 yield var.blocks[b], _cast(hosts.pop(b), var.target_dtype)
-        i = j
     for block in var.blocks:  # Blocks of zero bytes.
         if not block.runs.num_runs:
             yield block, aligned_empty(block.read_shape, var.target_dtype)

@@ -53,6 +53,7 @@ import keras
 
 from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
+from keras_hub_dist.formats import checksums
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.transforms import fallbacks
@@ -86,6 +87,7 @@ def load_sharded_preset(
     data_axis: str = "batch",
     task_kwargs: Mapping[str, Any] | None = None,
     num_threads: int = 2,
+    verify: bool = False,
 ) -> keras.Model | tuple[keras.Model, LoadReport]:
     """Loads a KerasHub preset directly into its final sharding.
 
@@ -139,13 +141,18 @@ def load_sharded_preset(
         task_kwargs: Extra arguments for the task's `from_preset`.
         num_threads: Reader threads (blocks of a variable are read
             concurrently); 1 reads in the calling thread only.
+        verify: Check every weights file against the checksums that
+            `save_sharded_preset` recorded in metadata.json before any
+            device memory is used (a full read of the files, split over the
+            processes). A preset without checksums is an error then.
 
     Returns:
         The backbone (or task) model, or `(model, LoadReport)` with
         `memory_report=True`.
 
     Raises:
-        PresetError: Missing or truncated weights file; variables missing
+        PresetError: Missing or truncated weights file; with `verify=True`,
+            bytes that differ from the recorded checksums; variables missing
             from or extra in it; shape or dtype mismatch (the message names
             the path, expected and on-disk values); an unsupported
             architecture; an unknown task.
@@ -164,7 +171,7 @@ def load_sharded_preset(
     with sampler:
         model, plan, stats, index, label = _load(
             preset, mesh, layout_map, dtype, task, progress, model_axis, data_axis,
-            dict(task_kwargs or {}), num_threads,
+            dict(task_kwargs or {}), num_threads, verify,
         )
     wall = time.perf_counter() - start
     if not memory_report:
@@ -210,6 +217,7 @@ def _load(
     data_axis: str,
     task_kwargs: dict[str, Any],
     num_threads: int,
+    verify: bool,
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     # Phase 1: resolve and validate; no device memory is used.
     source = resolve_source(preset)
@@ -229,6 +237,8 @@ def _load(
     backbone, deferred = build_without_values(backbone_cls, {**backbone_config, "dtype": dtype})
     try:
         index = checkpoint.index_checkpoint(backbone, source.ref, source.label, config)
+        if verify:
+            checksums.verify_files(index.files, metadata, source.label, num_threads=num_threads)
         if layout_map is None:
             resolved_map = default_layout_map(backbone, device_mesh, model_axis, data_axis)
         else:

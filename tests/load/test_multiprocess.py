@@ -7,12 +7,8 @@ twice), the global model is one model, and a jitted forward pass gives the
 single-process logits.
 """
 
-import json
 import os
 import pathlib
-import signal
-import socket
-import subprocess
 import sys
 
 import keras
@@ -22,9 +18,9 @@ import pytest
 
 import keras_hub_dist
 from keras_hub_dist.formats.keras_h5 import build_index
+from tests.multiprocess_jobs import block_byte_ranges, merge_ranges, run_job
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
-TIME_LIMIT_S = 240
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="needs Linux (/proc) and loopback"
@@ -43,63 +39,8 @@ def tiny_preset(tmp_path_factory):
     return str(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _run_job(preset, num_processes, local_devices, mesh, out_dir):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), str(num_processes), str(port),
-             str(local_devices), preset, mesh, str(out_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            start_new_session=True,
-        )
-        for i in range(num_processes)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=TIME_LIMIT_S))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the {num_processes}-process job did not finish in {TIME_LIMIT_S} s")
-    finally:
-        for proc in procs:  # never leave a process behind
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    codes = [proc.returncode for proc in procs]
-    if 77 in codes:
-        pytest.skip(outputs[codes.index(77)][1].strip().splitlines()[-1])
-    for code, (_, err) in zip(codes, outputs):
-        assert code == 0, err[-3000:]
-    return [
-        json.loads((out_dir / f"process_{i}.json").read_text())
-        for i in range(num_processes)
-    ]
-
-
-def _merge(intervals):
-    merged = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [tuple(m) for m in merged]
-
-
-def _block_byte_ranges(dataset, block):
-    """File byte ranges of a row-major block of a contiguous dataset."""
-    shape, itemsize = dataset.shape, dataset.dtype.itemsize
-    flat = np.arange(int(np.prod(shape)) or 1).reshape(shape or ())
-    elements = flat[tuple(slice(a, b) for a, b in block)].reshape(-1)
-    return _merge((dataset.offset + e * itemsize, dataset.offset + (e + 1) * itemsize)
-                  for e in elements)
+    return run_job(WORKER, num_processes, local_devices, [preset, mesh, out_dir], out_dir)
 
 
 def _reference_logits(preset, mesh):
@@ -136,12 +77,12 @@ def test_each_process_reads_only_its_shards(
         for path, held in report["held"].items():
             dataset = index[path]
             for block in held["blocks"]:
-                ranges = _block_byte_ranges(dataset, block)
+                ranges = block_byte_ranges(dataset, block)
                 expected += ranges
                 expected_bytes += sum(b - a for a, b in ranges)
         read = [(offset, offset + n) for offset, n in report["reads"]]
         # Every byte its devices hold, nothing else, and nothing twice.
-        assert _merge(read) == _merge(expected), f"process {process_id}"
+        assert merge_ranges(read) == merge_ranges(expected), f"process {process_id}"
         assert sum(n for _, n in report["reads"]) == expected_bytes
         if mesh == "1x8":  # the model axis spans the processes
             assert expected_bytes < file_bytes

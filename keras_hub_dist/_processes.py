@@ -1,0 +1,92 @@
+"""What the processes of a `jax.distributed` job must agree on, and how.
+
+Saving and verifying a preset are split across processes; a failure seen by
+one of them must end the operation on all of them, with the same error, or
+the others would wait forever at the next collective. Each step therefore
+ends with `check_all`: every process reports its own error (or none) and all
+raise the first one together. With one process these are plain function
+calls: no collective, no compilation.
+
+The collectives are `jax.experimental.multihost_utils.process_allgather`
+over small host arrays (gloo on CPU, the accelerator's own otherwise).
+
+Example:
+
+```python
+error = None
+try:
+    write_my_blocks()
+except OSError as e:
+    error = f"writing failed: {e}"
+check_all(error, SaveError, "Saving the preset failed")  # raises everywhere
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+__all__ = ["broadcast_string", "check_all", "gather_strings", "sum_over_processes"]
+
+# A gathered string is cut to this many UTF-8 bytes (error messages, paths).
+_MAX_STRING_BYTES = 8192
+
+
+def _allgather(values: np.ndarray) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(values, tiled=False))
+
+
+def gather_strings(text: str) -> list[str]:
+    """Every process's `text`, in process order (on every process)."""
+    if jax.process_count() == 1:
+        return [text]
+    data = text.encode("utf-8")[:_MAX_STRING_BYTES]
+    packed = np.zeros(_MAX_STRING_BYTES + 4, np.uint8)
+    packed[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
+    packed[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
+    out = []
+    for row in _allgather(packed):
+        length = int.from_bytes(row[:4].tobytes(), "little")
+        out.append(row[4 : 4 + length].tobytes().decode("utf-8", errors="replace"))
+    return out
+
+
+def broadcast_string(text: str) -> str:
+    """Process 0's `text`, on every process."""
+    return gather_strings(text)[0]
+
+
+def sum_over_processes(values: np.ndarray) -> np.ndarray:
+    """Element-wise sum of every process's `values` (same shape and dtype)."""
+    if jax.process_count() == 1:
+        return values
+    return _allgather(values).sum(axis=0, dtype=values.dtype)
+
+
+def check_all(error: str | None, error_class: type[Exception], context: str) -> None:
+    """Raises `error_class` on every process if any process reports an error.
+
+    Args:
+        error: This process's error message, or `None`.
+        error_class: The exception class raised everywhere.
+        context: What was being done, the start of the message.
+
+    Raises:
+        error_class: With every failing process's message (prefixed by its
+            index when there are several processes).
+    """
+    errors: Sequence[str] = gather_strings(error or "")
+    failed = [(i, e) for i, e in enumerate(errors) if e]
+    if not failed:
+        return
+    if len(errors) == 1:
+        raise error_class(f"{context}: {failed[0][1]}")
+    raise error_class(
+        f"{context} on {len(failed)} of {len(errors)} processes: "
+        + " | ".join(f"process {i}: {e}" for i, e in failed)
+    )

@@ -1,0 +1,279 @@
+"""Checksums of a preset's weights files: chunked SHA-256.
+
+A weights file is cut into 64 MiB chunks; each chunk's SHA-256 is recorded,
+and the file's digest is the SHA-256 of the chunk digests in order. Chunks
+let every process (and every thread) hash its own part of a file that
+several processes wrote, and tell which byte range changed when a check
+fails. SHA-256 runs at about 1.5 GB/s per core with SHA extensions, so a
+check costs about one read of the files.
+
+`save_sharded_preset` records the checksums in the preset's `metadata.json`
+under `"keras_hub_dist"`; `load_sharded_preset(..., verify=True)` checks
+them. Stock KerasHub ignores the extra key.
+
+Example:
+
+```python
+entry = file_checksum("preset/model.weights.h5")
+entry.to_json()  # {"algorithm": "sha256-chunked", "chunk_bytes": ..., ...}
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from keras_hub_dist import _processes
+from keras_hub_dist.errors import PresetError
+from keras_hub_dist.formats import host_io
+
+__all__ = [
+    "ALGORITHM",
+    "CHUNK_BYTES",
+    "FileChecksum",
+    "METADATA_KEY",
+    "all_chunks",
+    "chunk_digests",
+    "file_checksum",
+    "mismatches",
+    "recorded_checksums",
+    "share",
+    "verify_files",
+]
+
+ALGORITHM = "sha256-chunked"
+CHUNK_BYTES = 64 << 20
+# Where the checksums live in metadata.json.
+METADATA_KEY = "keras_hub_dist"
+_DIGEST_BYTES = 32
+
+
+@dataclass(frozen=True)
+class FileChecksum:
+    """The recorded checksum of one weights file.
+
+    Attributes:
+        size: File length in bytes.
+        chunk_bytes: Length of every chunk but the last.
+        chunks: SHA-256 of each chunk, hex.
+    """
+
+    size: int
+    chunk_bytes: int
+    chunks: tuple[str, ...]
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the chunk digests, in order: the file's checksum."""
+        return hashlib.sha256(b"".join(bytes.fromhex(c) for c in self.chunks)).hexdigest()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "algorithm": ALGORITHM,
+            "size": self.size,
+            "chunk_bytes": self.chunk_bytes,
+            "sha256": self.digest,
+            "chunks": list(self.chunks),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> FileChecksum:
+        """Parses (and checks) a recorded entry.
+
+        Raises:
+            PresetError: The entry is malformed or disagrees with itself.
+        """
+        try:
+            if data["algorithm"] != ALGORITHM:
+                raise ValueError(f"algorithm {data['algorithm']!r}, expected {ALGORITHM!r}")
+            entry = cls(int(data["size"]), int(data["chunk_bytes"]), tuple(data["chunks"]))
+            if entry.chunk_bytes <= 0 or len(entry.chunks) != num_chunks(entry.size, entry.chunk_bytes):
+                raise ValueError("chunk count does not match size and chunk_bytes")
+            for chunk in entry.chunks:
+                if len(bytes.fromhex(chunk)) != _DIGEST_BYTES:
+                    raise ValueError(f"chunk digest {chunk!r} is not SHA-256")
+            if entry.digest != data["sha256"]:
+                raise ValueError("sha256 is not the digest of the chunk digests")
+        except (KeyError, TypeError, ValueError) as e:
+            raise PresetError(
+                f"The checksum recorded for {where} is malformed. Expected "
+                f"{{'algorithm': {ALGORITHM!r}, 'size', 'chunk_bytes', 'sha256', "
+                f"'chunks'}}. Received: {e!s}. Save the preset again with "
+                "`keras_hub_dist.save_sharded_preset`."
+            ) from e
+        return entry
+
+
+def num_chunks(size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    return max(1, -(-size // chunk_bytes))
+
+
+def _hash_chunk(path: str, start: int, stop: int) -> bytes:
+    digest = hashlib.sha256()
+    buffer = host_io.aligned_empty((min(stop - start, 8 << 20),), np.uint8)
+    view = memoryview(buffer)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        position = start
+        while position < stop:
+            n = os.preadv(fd, [view[: min(len(view), stop - position)]], position)
+            if n <= 0:
+                raise PresetError(
+                    f"{path!r} ended at byte {position} while hashing bytes "
+                    f"{start}:{stop}. Expected a file of at least {stop} bytes."
+                )
+            digest.update(view[:n])  # releases the GIL: threads hash in parallel
+            position += n
+    finally:
+        os.close(fd)
+    return digest.digest()
+
+
+def chunk_digests(
+    files: Sequence[str],
+    chunks: Iterable[tuple[int, int]],
+    *,
+    chunk_bytes: Sequence[int] | None = None,
+    num_threads: int = 2,
+) -> dict[tuple[int, int], bytes]:
+    """SHA-256 of chunks `(file number, chunk number)` of `files`
+    (`chunk_bytes` per file, default `CHUNK_BYTES`)."""
+    wanted = list(chunks)
+    sizes = [os.path.getsize(path) for path in files]
+    steps = list(chunk_bytes) if chunk_bytes is not None else [CHUNK_BYTES] * len(files)
+
+    def one(key: tuple[int, int]) -> bytes:
+        start = key[1] * steps[key[0]]
+        return _hash_chunk(files[key[0]], start, min(start + steps[key[0]], sizes[key[0]]))
+
+    if num_threads <= 1 or len(wanted) < 2:
+        return {key: one(key) for key in wanted}
+    with ThreadPoolExecutor(num_threads, "keras_hub_dist-hash") as pool:
+        return dict(zip(wanted, pool.map(one, wanted)))
+
+
+def all_chunks(sizes: Sequence[int], chunk_bytes: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Every `(file number, chunk number)` of files of these sizes, in order."""
+    steps = list(chunk_bytes) if chunk_bytes is not None else [CHUNK_BYTES] * len(sizes)
+    return [
+        (f, c) for f, (size, step) in enumerate(zip(sizes, steps)) for c in range(num_chunks(size, step))
+    ]
+
+
+def share(keys: Sequence[Any], process_index: int, process_count: int) -> list[Any]:
+    """This process's part of `keys`: every `process_count`-th one."""
+    return list(keys[process_index::process_count])
+
+
+def file_checksum(path: str, *, num_threads: int = 2) -> FileChecksum:
+    """The checksum of one file, hashed in this process."""
+    size = os.path.getsize(path)
+    keys = all_chunks([size])
+    digests = chunk_digests([path], keys, num_threads=num_threads)
+    return FileChecksum(size, CHUNK_BYTES, tuple(digests[k].hex() for k in keys))
+
+
+def recorded_checksums(metadata: Mapping[str, Any], label: str) -> dict[str, FileChecksum]:
+    """File name -> recorded checksum, from a preset's metadata.json.
+
+    Raises:
+        PresetError: The preset has no recorded checksums, or they are
+            malformed.
+    """
+    recorded = metadata.get(METADATA_KEY, {})
+    files = recorded.get("checksums") if isinstance(recorded, Mapping) else None
+    if not isinstance(files, Mapping) or not files:
+        raise PresetError(
+            f"Cannot verify preset {label!r}: its metadata.json records no "
+            f"checksums. Expected a '{METADATA_KEY}': {{'checksums': ...}} entry, "
+            "written by `keras_hub_dist.save_sharded_preset`. Received: "
+            + ("no metadata.json" if not metadata else f"keys {sorted(metadata)}")
+            + ". Load with verify=False, or save the preset again with "
+            "`save_sharded_preset`."
+        )
+    return {
+        name: FileChecksum.from_json(entry, f"{name!r} in {label!r}")
+        for name, entry in files.items()
+    }
+
+
+def mismatches(
+    names: Sequence[str],
+    paths: Sequence[str],
+    recorded: Mapping[str, FileChecksum],
+    keys: Iterable[tuple[int, int]],
+    *,
+    num_threads: int = 2,
+) -> list[str]:
+    """Checks chunks `keys` of files `paths` against `recorded`; returns one
+    message per difference (wrong size, or a chunk whose digest differs)."""
+    problems = []
+    keys = list(keys)
+    for name, path in zip(names, paths):
+        size = os.path.getsize(path)
+        if size != recorded[name].size:
+            problems.append(
+                f"{path!r} has {size} bytes; expected {recorded[name].size} "
+                "(the file was truncated or extended after saving)"
+            )
+    if problems:
+        return problems
+    steps = [recorded[name].chunk_bytes for name in names]
+    digests = chunk_digests(paths, keys, chunk_bytes=steps, num_threads=num_threads)
+    for (f, c), digest in sorted(digests.items()):
+        entry = recorded[names[f]]
+        if digest.hex() != entry.chunks[c]:
+            start = c * entry.chunk_bytes
+            problems.append(
+                f"bytes {start}:{min(start + entry.chunk_bytes, entry.size)} of "
+                f"{paths[f]!r} changed since saving (SHA-256 {digest.hex()[:16]}..., "
+                f"recorded {entry.chunks[c][:16]}...)"
+            )
+    return problems
+
+
+def verify_files(
+    files: Sequence[str],
+    metadata: Mapping[str, Any],
+    label: str,
+    *,
+    num_threads: int = 2,
+) -> None:
+    """Checks `files` against the checksums recorded in `metadata`; each
+    process of a `jax.distributed` job hashes a share of the chunks, and all
+    raise together.
+
+    Raises:
+        PresetError: No checksums are recorded, a file has none, or a file's
+            size or bytes differ from what was saved (the message names the
+            file and the byte ranges).
+    """
+    import jax
+
+    recorded = recorded_checksums(metadata, label)
+    names = [os.path.basename(f) for f in files]
+    unrecorded = [n for n in names if n not in recorded]
+    if unrecorded:
+        raise PresetError(
+            f"Cannot verify preset {label!r}: metadata.json records no "
+            f"checksum for {unrecorded}. Expected one for every weights file; "
+            f"recorded: {sorted(recorded)}. Save the preset again with "
+            "`save_sharded_preset`."
+        )
+    steps = [recorded[n].chunk_bytes for n in names]
+    keys = all_chunks([os.path.getsize(f) for f in files], steps)
+    mine = share(keys, jax.process_index(), jax.process_count())
+    problems = mismatches(names, list(files), recorded, mine, num_threads=num_threads)
+    _processes.check_all(
+        "; ".join(problems) or None,
+        PresetError,
+        f"Preset {label!r} is not the one that was saved (download or save it "
+        "again)",
+    )

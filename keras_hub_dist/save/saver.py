@@ -1,0 +1,459 @@
+"""Save a sharded model as a KerasHub preset, from every process, with no
+gather: `save_sharded_preset`.
+
+Stock `save_to_preset` fetches every weight whole to the host of one process
+(`Variable.numpy()`): it cannot save a model spread over several processes
+(JAX refuses to fetch non-addressable arrays), and in one process it grows
+host memory by more than the model. `save_sharded_preset` instead:
+
+1. checks everything on every process and agrees on it (the same target, a
+   built model, a writable parent, no existing preset unless `overwrite`);
+2. replays Keras's `save_weights` walk to lay out the weights file(s) and
+   has process 0 create them in a temporary directory beside the target,
+   with every dataset's storage allocated and unfilled
+   (`formats.keras_h5_writer`), plus config.json, task.json, the
+   preprocessor's files and metadata.json as `save_to_preset` writes them;
+3. plans which process writes each distinct block (`save.write_plan`:
+   each block once, replicated ones spread over the processes) and has each
+   process write its own devices' blocks at their byte offsets
+   (`save.write_execute`);
+4. hashes the files (each process a share of the 64 MiB chunks) and records
+   the checksums in metadata.json (`formats.checksums`);
+5. publishes the directory with a rename once every process has finished.
+
+Why one preallocated Keras file rather than HDF5 virtual datasets or whole
+variables per process: Keras stores each value as one contiguous dataset,
+so once process 0 has created the (sparse) file every process can fill its
+blocks with positioned writes, concurrently, at offsets the file itself
+records. The result is byte-for-byte the layout `save_to_preset` writes (an
+ordinary `model.weights.h5`, or Keras's multi-file weights for models over
+`max_shard_size`): stock KerasHub, h5py and our loader read it with no
+virtual-dataset support and no file per process to carry along. Whole
+variables per process would make the process owning a variable gather its
+other processes' blocks: a full tensor on one host.
+
+Example:
+
+```python
+lm = keras_hub_dist.load_sharded_preset("gemma_7b_en", mesh=(1, 8), task="causal_lm")
+lm.backbone.enable_lora(rank=4)
+lm.fit(data, epochs=1)
+keras_hub_dist.save_sharded_preset(lm, "./gemma_7b_tuned")
+keras_hub.models.CausalLM.from_preset("./gemma_7b_tuned")  # stock loads it
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+
+from keras_hub_dist import _compat, _processes
+from keras_hub_dist._progress import byte_progress
+from keras_hub_dist.errors import PresetError, SaveError
+from keras_hub_dist.formats import checksums, keras_h5
+from keras_hub_dist.formats.base import Index
+from keras_hub_dist.formats.keras_h5_writer import (
+    DatasetLayout,
+    WeightsLayout,
+    create_weights_files,
+    weights_layout,
+)
+from keras_hub_dist.save.write_execute import WeightFiles, WriteStats, write_value
+from keras_hub_dist.save.write_plan import SavePlan, SaveRequest, plan_save
+
+__all__ = ["save_sharded_preset"]
+
+
+@dataclass
+class _WeightSet:
+    """One weights file (or multi-file set) and the model part it saves."""
+
+    model: Any
+    skip: Sequence[Any]
+    file_name: str
+    max_shard_size: float | None
+    layout: WeightsLayout
+    shardings: dict[str, Any]
+    paths: dict[str, str]
+
+
+def save_sharded_preset(
+    model: keras.Model,
+    preset_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    max_shard_size: float | None = 10,
+    num_threads: int = 2,
+) -> None:
+    """Saves a (sharded) KerasHub backbone or task as a preset, from every
+    process, with no gather.
+
+    The preset is what `model.save_to_preset(preset_dir)` writes: config.json,
+    metadata.json, the weights (`model.weights.h5`, or Keras's multi-file
+    `model.weights.json` + `model_NNNNN.weights.h5` over `max_shard_size`
+    GB), and for a task task.json and its preprocessor's files. Stock
+    `from_preset` and `load_sharded_preset` (on any mesh) load it. A
+    LoRA-enabled model saves its merged kernels, as `save_to_preset` does.
+
+    Every process of a `jax.distributed` job calls it with the same
+    arguments, on a filesystem they share. Each process writes only the
+    blocks its own devices hold; a block held by several devices (a
+    replicated weight) is written once, by one process. Nothing is
+    gathered: no device computes anything and no host holds more than one
+    block of a weight at a time (on CPU not even that: blocks are written
+    from the device buffers).
+
+    Crash safety: everything is written into a temporary directory beside
+    the target (`.<name>.partial-<token>`) that is renamed to `preset_dir`
+    only after every process has finished; a failure on any process raises
+    `SaveError` on all of them, removes the temporary directory and leaves
+    the target untouched. A process killed outright leaves the temporary
+    directory behind, never a half-written target. Each weights file's
+    checksum goes into metadata.json, so
+    `load_sharded_preset(..., verify=True)` detects bytes changed later.
+
+    Args:
+        model: A built `keras_hub.models.Backbone` or `Task`.
+        preset_dir: The preset directory to create (its parent is created if
+            needed).
+        overwrite: Replace an existing non-empty `preset_dir` (only once the
+            new preset is complete).
+        progress: Show a progress bar on stderr; default: when stderr is a
+            terminal.
+        max_shard_size: As `save_to_preset`: GB per weights file for a
+            backbone larger than that; `None` for one file.
+        num_threads: Threads that hash the written files.
+
+    Raises:
+        SaveError: The model is not a built KerasHub backbone or task, or
+            has variables without values; `preset_dir` exists and is not
+            empty (without `overwrite=True`), is not a directory, or cannot
+            be written; the processes passed different `preset_dir`s; or
+            writing failed on some process.
+    """
+    target = os.path.abspath(os.fspath(preset_dir))
+    targets = _processes.gather_strings(target)
+    if len(set(targets)) > 1:
+        raise SaveError(
+            "Expected every process to pass the same preset_dir. Received: "
+            + ", ".join(f"process {i}: {t!r}" for i, t in enumerate(targets))
+            + ". Pass one path on a filesystem all processes share."
+        )
+    backbone, task = _backbone_and_task(model)
+    _processes.check_all(_model_error(model), SaveError, "Cannot save the model")
+    _processes.check_all(_target_error(target, overwrite), SaveError, f"Cannot save to {target!r}")
+
+    names = _compat.preset_file_names()
+    backbone_bytes = _compat.variables_size_in_bytes(backbone.variables)
+    multi_file = max_shard_size is not None and backbone_bytes / 2**30 > max_shard_size
+    sets = [
+        _weight_set(
+            backbone, (), names["sharded_weights" if multi_file else "weights"],
+            max_shard_size if multi_file else None,
+        )
+    ]
+    if task is not None and task.has_task_weights():
+        sets.append(
+            _weight_set(task, list(backbone._flatten_layers()), names["task_weights"], None)
+        )
+
+    parent, base = os.path.split(target)
+    token = _processes.broadcast_string(secrets.token_hex(6))
+    staging = os.path.join(parent, f".{base}.partial-{token}")
+    try:
+        error = None
+        if jax.process_index() == 0:
+            error = _guard(lambda: _prepare(staging, backbone, task, sets, names))
+        _processes.check_all(error, SaveError, f"Preparing {staging!r} failed")
+
+        plans: list[SavePlan] = []
+        error = _guard(lambda: plans.extend(_plan(staging, s) for s in sets))
+        _processes.check_all(error, SaveError, "Planning the writes failed")
+
+        error = _write(sets, plans, progress, base)
+        _processes.check_all(error, SaveError, "Writing the weights failed")
+
+        files = _weights_files(staging, sets)
+        table: list[np.ndarray] = []
+        error = _guard(lambda: table.append(_local_digests(files, num_threads)))
+        _processes.check_all(error, SaveError, "Hashing the weights files failed")
+        digests = _processes.sum_over_processes(table[0])
+
+        if jax.process_index() == 0:
+            error = _guard(lambda: _finish(staging, target, backbone, files, digests, token, names))
+        _processes.check_all(error, SaveError, f"Publishing {target!r} failed")
+    except BaseException:
+        if jax.process_index() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _guard(step: Any) -> str | None:
+    """Runs `step`; returns its error as a message (for `check_all`)."""
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001 - reported on every process
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _backbone_and_task(model: Any) -> tuple[Any, Any]:
+    import keras_hub
+
+    if isinstance(model, keras_hub.models.Backbone):
+        return model, None
+    if isinstance(model, keras_hub.models.Task) and isinstance(
+        getattr(model, "backbone", None), keras_hub.models.Backbone
+    ):
+        return model.backbone, model
+    raise SaveError(
+        "Expected a keras_hub.models.Backbone or Task (e.g. a CausalLM). "
+        f"Received: {type(model).__name__}. Save other Keras models with "
+        "`model.save_weights`."
+    )
+
+
+def _model_error(model: Any) -> str | None:
+    if not model.built:
+        return (
+            f"Expected a built model. Received: {type(model).__name__} that "
+            "is not built. Call it on data (or `build()` it) first."
+        )
+    empty, deleted = [], []
+    for variable in model.weights:
+        array = _compat.variable_array(variable)
+        if array is None:
+            empty.append(variable.path)
+        elif isinstance(array, jax.Array) and array.is_deleted():
+            deleted.append(variable.path)
+    if empty:
+        return (
+            f"Expected every variable to hold a value. Received: {len(empty)} "
+            f"without one (created inside a StatelessScope, or a load that "
+            f"failed), e.g. {empty[:3]}. Load or initialize the model first."
+        )
+    if deleted:
+        return (
+            f"Expected every variable to hold a live array. Received: "
+            f"{len(deleted)} deleted, e.g. {deleted[:3]}."
+        )
+    return None
+
+
+def _target_error(target: str, overwrite: bool) -> str | None:
+    if os.path.lexists(target):
+        if not os.path.isdir(target):
+            return "Expected a directory (or nothing) there. Received: a file."
+        if os.listdir(target) and not overwrite:
+            return (
+                "Expected a new or empty directory. Received: a non-empty "
+                "directory. Pass overwrite=True to replace it (only once the "
+                "new preset is complete)."
+            )
+    ancestor = os.path.dirname(target)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        return (
+            f"Expected a path under a directory. Received: {ancestor!r} is a "
+            "file, so nothing can be created under it. Choose another preset_dir."
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return (
+            f"Expected a writable directory. Received: {ancestor!r}, which "
+            "this process cannot write to. Choose another preset_dir or fix "
+            "its permissions."
+        )
+    return None
+
+
+def _device_indices(sharding: Any, shape: tuple[int, ...]) -> dict[Any, Index]:
+    return {
+        device: tuple(
+            (s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape)
+        )
+        for device, index in sharding.devices_indices_map(shape).items()
+    }
+
+
+def _saved_array(value: Any) -> Any:
+    if isinstance(value, keras.Variable):
+        return _compat.variable_array(value)
+    return value
+
+
+def _weight_set(model: Any, skip: Sequence[Any], file_name: str, max_shard_size: float | None) -> _WeightSet:
+    shardings: dict[str, Any] = {}
+    paths: dict[str, str] = {}
+
+    def remember(dataset: DatasetLayout, value: Any) -> None:
+        array = _saved_array(value)
+        shardings[dataset.name] = array.sharding if isinstance(array, jax.Array) else None
+        paths[dataset.name] = getattr(value, "path", dataset.name)
+
+    layout = weights_layout(model, skip, remember)
+    return _WeightSet(model, skip, file_name, max_shard_size, layout, shardings, paths)
+
+
+def _prepare(staging: str, backbone: Any, task: Any, sets: list[_WeightSet], names: dict[str, str]) -> None:
+    try:
+        os.makedirs(os.path.dirname(staging), exist_ok=True)
+        os.mkdir(staging)
+    except OSError as e:
+        raise SaveError(
+            f"Expected to create a directory beside preset_dir. Received: "
+            f"{type(e).__name__}: {e}. Choose a preset_dir on a writable "
+            "filesystem, or fix its permissions."
+        ) from e
+    if task is not None:
+        _compat.save_preset_config(task, staging, names["task"])
+    _compat.save_preset_config(backbone, staging, names["config"])
+    if task is not None and task.preprocessor is not None:
+        task.preprocessor.save_to_preset(staging)
+    for weight_set in sets:
+        create_weights_files(
+            weight_set.layout, os.path.join(staging, weight_set.file_name), weight_set.max_shard_size
+        )
+
+
+def _plan(staging: str, weight_set: _WeightSet) -> SavePlan:
+    path = os.path.join(staging, weight_set.file_name)
+    try:
+        on_disk = keras_h5.read_datasets(keras_h5.weights_files(path))
+    except PresetError as e:
+        raise SaveError(
+            f"Process {jax.process_index()} cannot read {path!r}, which process "
+            f"0 created. Expected every process to share the filesystem of "
+            f"preset_dir. Received: {e}"
+        ) from e
+    requests = []
+    for dataset in weight_set.layout.datasets:
+        info = on_disk[dataset.name]
+        sharding = weight_set.shardings[dataset.name]
+        requests.append(
+            SaveRequest(
+                dataset.name,
+                weight_set.paths[dataset.name],
+                dataset.shape,
+                dataset.dtype,
+                info.file,
+                info.offset or 0,
+                None if sharding is None else _device_indices(sharding, dataset.shape),
+            )
+        )
+    return plan_save(requests, process_index=jax.process_index(), process_count=jax.process_count())
+
+
+def _write(sets: list[_WeightSet], plans: list[SavePlan], progress: bool | None, base: str) -> str | None:
+    """Writes this process's blocks; returns its first error as a message.
+
+    After a failed write the walks still run to their end: a LoRA-merged
+    kernel is computed by all processes together, so every process must
+    reach every value.
+    """
+    files = WeightFiles()
+    stats = WriteStats()
+    on_cpu = all(d.platform == "cpu" for d in jax.local_devices())
+    bar = byte_progress(sum(p.nbytes for p in plans), f"Saving {base}", progress)
+    error: list[str] = []
+    try:
+        for weight_set, plan in zip(sets, plans):
+            by_name = {v.name: v for v in plan.values}
+
+            def write(name: str, key: str, value: Any) -> None:
+                if error:
+                    return
+                entry = by_name[name]
+                try:
+                    write_value(entry, _saved_array(value), files, stats, on_cpu=on_cpu)
+                except Exception as e:  # noqa: BLE001 - reported on every process
+                    error.append(
+                        f"writing {entry.path!r} (dataset {name!r} of "
+                        f"{entry.file!r}, shape {entry.shape}, {entry.dtype}) "
+                        f"failed: {type(e).__name__}: {e}"
+                    )
+                bar.update(entry.nbytes)
+
+            keras_h5.walk_saved_values(weight_set.model, write, skip=weight_set.skip)
+    except Exception as e:  # noqa: BLE001 - the walk itself failed
+        error.append(f"{type(e).__name__}: {e}")
+    finally:
+        with contextlib.suppress(OSError):
+            files.close()
+        bar.close()
+    return error[0] if error else None
+
+
+def _weights_files(staging: str, sets: list[_WeightSet]) -> list[str]:
+    files = []
+    for weight_set in sets:
+        path = os.path.join(staging, weight_set.file_name)
+        files += [path] if path.endswith(".h5") else [path, *keras_h5.weights_files(path)]
+    return files
+
+
+def _local_digests(files: list[str], num_threads: int) -> np.ndarray:
+    keys = checksums.all_chunks([os.path.getsize(f) for f in files])
+    mine = checksums.share(keys, jax.process_index(), jax.process_count())
+    digests = checksums.chunk_digests(files, mine, num_threads=num_threads)
+    table = np.zeros((len(keys), 32), np.uint8)
+    for row, key in enumerate(keys):
+        if key in digests:
+            table[row] = np.frombuffer(digests[key], np.uint8)
+    return table
+
+
+def _finish(
+    staging: str,
+    target: str,
+    backbone: Any,
+    files: list[str],
+    digests: np.ndarray,
+    token: str,
+    names: dict[str, str],
+) -> None:
+    sizes = [os.path.getsize(f) for f in files]
+    keys = checksums.all_chunks(sizes)
+    recorded = {}
+    for number, (path, size) in enumerate(zip(files, sizes)):
+        rows = [row for row, key in enumerate(keys) if key[0] == number]
+        recorded[os.path.basename(path)] = checksums.FileChecksum(
+            size, checksums.CHUNK_BYTES, tuple(digests[r].tobytes().hex() for r in rows)
+        ).to_json()
+    _compat.save_preset_metadata(backbone, staging)
+    metadata_path = os.path.join(staging, names["metadata"])
+    with open(metadata_path, encoding="utf-8") as f:
+        metadata = json.load(f)
+    metadata[checksums.METADATA_KEY] = {"checksums": recorded}
+    with open(metadata_path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(metadata, indent=4))
+    _publish(staging, target, token)
+
+
+def _publish(staging: str, target: str, token: str) -> None:
+    """Renames `staging` to `target`; an existing target is moved aside
+    first and removed only once the new one is in place."""
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+        return
+    parent, base = os.path.split(target)
+    replaced = os.path.join(parent, f".{base}.replaced-{token}")
+    os.rename(target, replaced)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(replaced, target)
+        raise
+    shutil.rmtree(replaced, ignore_errors=True)

@@ -1,0 +1,77 @@
+"""Runs a `jax.distributed` job of several local processes (loopback, gloo),
+for the multi-process load and save tests."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+TIME_LIMIT_S = 240
+# A worker exits with this when the platform cannot run a multi-process job.
+UNSUPPORTED = 77
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_job(worker, num_processes, local_devices, args, out_dir):
+    """Runs `worker PROCESS_ID NUM_PROCESSES PORT LOCAL_DEVICES *args` per
+    process; returns each process's `out_dir/process_<id>.json`."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(i), str(num_processes), str(port),
+             str(local_devices), *map(str, args)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            start_new_session=True,
+        )
+        for i in range(num_processes)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=TIME_LIMIT_S))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {num_processes}-process job did not finish in {TIME_LIMIT_S} s")
+    finally:
+        for proc in procs:  # never leave a process behind
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    codes = [proc.returncode for proc in procs]
+    if UNSUPPORTED in codes:
+        pytest.skip(outputs[codes.index(UNSUPPORTED)][1].strip().splitlines()[-1])
+    for code, (_, err) in zip(codes, outputs):
+        assert code == 0, err[-3000:]
+    return [
+        json.loads((out_dir / f"process_{i}.json").read_text())
+        for i in range(num_processes)
+    ]
+
+
+def merge_ranges(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(m) for m in merged]
+
+
+def block_byte_ranges(dataset, block):
+    """File byte ranges of a row-major block of a contiguous dataset."""
+    shape, itemsize = dataset.shape, dataset.dtype.itemsize
+    flat = np.arange(int(np.prod(shape)) or 1).reshape(shape or ())
+    elements = flat[tuple(slice(a, b) for a, b in block)].reshape(-1)
+    return merge_ranges((dataset.offset + e * itemsize, dataset.offset + (e + 1) * itemsize)
+                  for e in elements)

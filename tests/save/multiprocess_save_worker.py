@@ -1,0 +1,91 @@
+"""One process of a multi-process save (driven by tests/save/test_save_multiprocess.py).
+
+Usage: python multiprocess_save_worker.py PROCESS_ID NUM_PROCESSES PORT
+           LOCAL_DEVICES PRESET_DIR MESH TARGET OUT_DIR MODE
+
+Joins a `jax.distributed` job on 127.0.0.1:PORT with LOCAL_DEVICES simulated
+CPU devices (gloo), loads PRESET_DIR sharded over MESH ("BxM"), then calls
+`save_sharded_preset(model, TARGET, overwrite=True)`, recording every byte
+range this process writes. MODE:
+
+- `ok`: a plain save;
+- `fail_write`: process 1's second positioned write raises `OSError`;
+- `different_target`: process 1 passes TARGET + "_other".
+
+Writes `OUT_DIR/process_<id>.json` (the writes, the blocks its devices hold,
+and the error raised, if any). Exits with 77 when the platform cannot run a
+multi-process JAX job.
+"""
+
+import json
+import os
+import sys
+
+UNSUPPORTED = 77
+
+
+def main() -> None:
+    process_id, num_processes, port, local_devices = map(int, sys.argv[1:5])
+    preset, mesh_arg, target, out_dir, mode = sys.argv[5:10]
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=120,
+        )
+    except Exception as error:  # noqa: BLE001 - reported to the test as a skip
+        print(f"cannot start a multi-process JAX job here: {error!r}", file=sys.stderr)
+        sys.exit(UNSUPPORTED)
+
+    import keras_hub_dist
+
+    batch, model_axis = (int(x) for x in mesh_arg.split("x"))
+    backbone = keras_hub_dist.load_sharded_preset(preset, mesh=(batch, model_axis), progress=False)
+
+    writes: list[tuple[str, int, int]] = []
+    original_pwritev = os.pwritev
+
+    def recording_pwritev(fd, buffers, offset, *args):
+        if mode == "fail_write" and process_id == 1 and len(writes) >= 1:
+            raise OSError(28, "No space left on device (injected by the test)")
+        n = original_pwritev(fd, buffers, offset, *args)
+        writes.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, n))
+        return n
+
+    if mode == "different_target" and process_id == 1:
+        target = target + "_other"
+    os.pwritev = recording_pwritev
+    error = None
+    try:
+        keras_hub_dist.save_sharded_preset(backbone, target, overwrite=True, progress=False)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        os.pwritev = original_pwritev
+
+    held = {}
+    for variable in backbone.weights:
+        value = variable.value
+        held[variable.path] = sorted(
+            {
+                tuple(
+                    (s.start or 0, s.stop if s.stop is not None else dim)
+                    for s, dim in zip(index, value.shape)
+                )
+                for index in value.sharding.addressable_devices_indices_map(value.shape).values()
+            }
+        )
+    with open(os.path.join(out_dir, f"process_{process_id}.json"), "w") as handle:
+        json.dump({"writes": writes, "held": held, "error": error}, handle)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Saving under `jax.distributed`: 2 processes x 4 CPU devices on loopback.
+
+Checks: each process writes only bytes of blocks its own devices hold, every
+byte of every dataset is written exactly once over the job, stock KerasHub
+loads the result bitwise equal, and the checksums verify. A write failure on
+one process and disagreeing targets raise on every process and leave the
+target untouched.
+"""
+
+import hashlib
+import os
+import pathlib
+import shutil
+import sys
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+
+import keras_hub_dist
+from keras_hub_dist.formats.keras_h5 import build_index
+from tests.multiprocess_jobs import block_byte_ranges, merge_ranges, run_job
+
+WORKER = pathlib.Path(__file__).with_name("multiprocess_save_worker.py")
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="needs Linux (/proc) and loopback"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_preset(tmp_path_factory):
+    keras.utils.set_random_seed(3)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=256, num_layers=2, num_query_heads=8,
+        num_key_value_heads=4, hidden_dim=64, intermediate_dim=128,
+    )
+    path = tmp_path_factory.mktemp("mp_save") / "tiny_llama"
+    backbone.save_to_preset(str(path))
+    return str(path)
+
+
+def _digest(folder):
+    return {
+        name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        for name in sorted(os.listdir(folder))
+    }
+
+
+def _assert_same_weights(a, b):
+    for x, y in zip(a.weights, b.weights, strict=True):
+        assert x.path == y.path
+        np.testing.assert_array_equal(np.asarray(x.value), np.asarray(y.value), err_msg=x.path)
+
+
+@pytest.mark.parametrize("mesh", ["1x8", "2x4"])
+def test_each_process_writes_only_its_blocks(tiny_preset, tmp_path, mesh):
+    target = tmp_path / "saved"
+    reports = run_job(WORKER, 2, 4, [tiny_preset, mesh, target, tmp_path, "ok"], tmp_path)
+    assert [r["error"] for r in reports] == [None, None]
+    assert sorted(os.listdir(tmp_path)) == ["process_0.json", "process_1.json", "saved"]
+
+    saved = keras_hub.models.Backbone.from_preset(str(target))
+    _assert_same_weights(keras_hub.models.Backbone.from_preset(tiny_preset), saved)
+    index = {e.path: e.source.dataset for e in build_index(
+        saved, str(target / "model.weights.h5")).entries}
+    total = sum(d.nbytes for d in index.values())
+
+    written_by = []
+    for report in reports:
+        held = merge_ranges(
+            r for path, blocks in report["held"].items()
+            for block in blocks for r in block_byte_ranges(index[path], block)
+        )
+        writes = [(offset, offset + n) for name, offset, n in report["writes"]
+                  if name == "model.weights.h5"]
+        assert len(writes) == len(report["writes"])  # nothing else is written to
+        merged = merge_ranges(writes)
+        # Only bytes its own devices hold.
+        for start, end in merged:
+            assert any(a <= start and end <= b for a, b in held), (start, end)
+        assert sum(b - a for a, b in writes) == sum(b - a for a, b in merged)
+        written = sum(b - a for a, b in writes)
+        assert 0 < written < total  # a share, not a gathered whole
+        written_by.append(merged)
+    # Over the job: every dataset byte exactly once.
+    everything = merge_ranges(r for ranges in written_by for r in ranges)
+    assert sum(b - a for a, b in everything) == sum(
+        b - a for ranges in written_by for a, b in ranges) == total
+    assert everything == merge_ranges(
+        r for d in index.values() for r in block_byte_ranges(d, tuple((0, n) for n in d.shape)))
+
+    loaded = keras_hub_dist.load_sharded_preset(str(target), mesh=(4, 2), verify=True, progress=False)
+    keras.distribution.set_distribution(None)
+    _assert_same_weights(saved, loaded)
+
+
+@pytest.mark.parametrize("mode", ["fail_write", "different_target"])
+def test_a_failure_on_one_process_leaves_the_target_untouched(tiny_preset, tmp_path, mode):
+    target = tmp_path / "saved"
+    shutil.copytree(tiny_preset, target)  # an existing preset, to be overwritten
+    before = _digest(target)
+    out_dir = tmp_path / "reports"
+    out_dir.mkdir()
+    reports = run_job(WORKER, 2, 4, [tiny_preset, "1x8", target, out_dir, mode], out_dir)
+    errors = [r["error"] for r in reports]
+    assert all(e and e.startswith("SaveError") for e in errors), errors
+    if mode == "fail_write":
+        assert all("process 1" in e and "injected by the test" in e for e in errors), errors
+    else:
+        assert all("same preset_dir" in e and "_other" in e for e in errors), errors
+    assert _digest(target) == before
+    assert sorted(os.listdir(tmp_path)) == ["reports", "saved"]  # no staging left
