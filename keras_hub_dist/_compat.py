@@ -42,8 +42,8 @@ __all__ = [
     "save_preset_metadata",
     "safetensor_loader_class",
     "set_pending_initializer",
-    "ShardedH5IOStore",
     "transformers_converter",
+    "unfilled_weights_store",
     "variable_array",
     "variables_size_in_bytes",
     "walk_saved_variables",
@@ -335,9 +335,6 @@ def initialize_pending(variables: Iterator[Any] | list) -> None:
 from keras.src.saving import saving_lib as _saving_lib  # noqa: E402
 
 H5IOStore = _saving_lib.H5IOStore
-# Keras's multi-file weights (`model.weights.json` + `model_NNNNN.weights.h5`);
-# the sharded preset writer replays Keras's own file-switching rule with it.
-ShardedH5IOStore = _saving_lib.ShardedH5IOStore
 
 
 def walk_saved_variables(model: Any, store: Any, skip: Any = ()) -> None:
@@ -355,6 +352,59 @@ def walk_saved_variables(model: Any, store: Any, skip: Any = ()) -> None:
         inner_path="",
         visited_saveables={id(o) for o in skip},
     )
+
+
+def unfilled_weights_store(path: Any, max_shard_size: float | None, create_dataset: Callable[[Any, str, Any], None]) -> Any:
+    """Keras's own weights store in write mode (`H5IOStore`, or
+    `ShardedH5IOStore` for `max_shard_size` GB per file) where
+    `store[key] = dataset` calls `create_dataset(h5 group, key, dataset)`
+    instead of writing a value. Groups, their metadata, when a new file
+    starts and the weight map stay Keras's; `dataset` needs `name`, `nbytes`.
+    """
+    from keras_hub_dist.errors import SaveError
+
+    class _Store(_saving_lib.H5IOStore):
+        def __setitem__(self, key: str, dataset: Any) -> None:
+            if not self._h5_entry_initialized:
+                self._create_h5_group(self._h5_entry_path)
+            create_dataset(self._h5_entry_group, key, dataset)
+
+    class _ShardedStore(_saving_lib.ShardedH5IOStore):
+        # `ShardedH5IOStore.__setitem__` with the size taken from the layout
+        # instead of the value.
+        def __setitem__(self, key: str, dataset: Any) -> None:
+            self._restore_h5_file()
+            size = dataset.nbytes
+            self.total_shard_size += size
+            if size > self.max_shard_size:
+                raise SaveError(
+                    f"Dataset {dataset.name!r} ({size / 2**30:.2f} GiB) is larger "
+                    f"than max_shard_size ({self.max_shard_size / 2**30:.2f} GiB). "
+                    "Expected every saved value to fit in one weights file. "
+                    "Raise max_shard_size (or pass None for a single file)."
+                )
+            self.current_shard_size += size
+            if self.current_shard_size > self.max_shard_size:
+                self.close()
+                self.h5_file = self._create_new_shard_file()
+                self.current_shard_size = size
+            if not self._h5_entry_initialized:
+                self._create_h5_group(self._h5_entry_path)
+            create_dataset(self._h5_entry_group, key, dataset)
+            variable_path = self._h5_entry_group.name
+            shard_filename = self.current_shard_path.name
+            weight_map = self.sharding_config["weight_map"]
+            if variable_path not in weight_map:
+                weight_map[variable_path] = shard_filename
+            else:
+                if not isinstance(weight_map[variable_path], list):
+                    weight_map[variable_path] = [weight_map[variable_path]]
+                if shard_filename not in weight_map[variable_path]:
+                    weight_map[variable_path].append(shard_filename)
+
+    if max_shard_size is None:
+        return _Store(path, mode="w")
+    return _ShardedStore(path, max_shard_size, mode="w")
 
 
 def host_array(array: jax.Array) -> Any:

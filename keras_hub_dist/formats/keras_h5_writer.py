@@ -41,7 +41,6 @@ import ml_dtypes
 import numpy as np
 
 from keras_hub_dist import _compat
-from keras_hub_dist.errors import SaveError
 from keras_hub_dist.formats import keras_h5
 from keras_hub_dist.formats.base import numpy_dtype
 
@@ -139,55 +138,13 @@ def _storage_plist() -> h5py.h5p.PropDCID:
     return plist
 
 
-def _create_dataset(store: Any, key: str, dataset: DatasetLayout) -> None:
-    """What `H5IOStore.__setitem__` does, minus the data."""
-    if not store._h5_entry_initialized:
-        store._create_h5_group(store._h5_entry_path)
-    created = store._h5_entry_group.create_dataset(
+def _create_dataset(group: h5py.Group, key: str, dataset: DatasetLayout) -> None:
+    """What `H5IOStore.__setitem__` does with a value, minus the data."""
+    created = group.create_dataset(
         key, shape=dataset.shape, dtype=dataset.dtype, dcpl=_storage_plist()
     )
     if dataset.dtype == _BFLOAT16:
         created.attrs["dtype"] = "bfloat16"
-
-
-class _LayoutStore(_compat.H5IOStore):
-    """Keras's single-file store, creating datasets without data."""
-
-    def __setitem__(self, key: str, value: DatasetLayout) -> None:
-        _create_dataset(self, key, value)
-
-
-class _ShardedLayoutStore(_compat.ShardedH5IOStore):
-    """Keras's multi-file store, creating datasets without data; a new file
-    starts exactly where Keras's `ShardedH5IOStore.__setitem__` starts one."""
-
-    def __setitem__(self, key: str, value: DatasetLayout) -> None:
-        self._restore_h5_file()
-        size = value.nbytes
-        self.total_shard_size += size
-        if size > self.max_shard_size:
-            raise SaveError(
-                f"Dataset {value.name!r} ({size / 2**30:.2f} GiB) is larger "
-                f"than max_shard_size ({self.max_shard_size / 2**30:.2f} GiB). "
-                "Expected every saved value to fit in one weights file. "
-                "Raise max_shard_size (or pass None for a single file)."
-            )
-        self.current_shard_size += size
-        if self.current_shard_size > self.max_shard_size:
-            self.close()
-            self.h5_file = self._create_new_shard_file()
-            self.current_shard_size = size
-        _create_dataset(self, key, value)
-        variable_path = self._h5_entry_group.name
-        shard_filename = self.current_shard_path.name
-        weight_map = self.sharding_config["weight_map"]
-        if variable_path not in weight_map:
-            weight_map[variable_path] = shard_filename
-        else:
-            if not isinstance(weight_map[variable_path], list):
-                weight_map[variable_path] = [weight_map[variable_path]]
-            if shard_filename not in weight_map[variable_path]:
-                weight_map[variable_path].append(shard_filename)
 
 
 def create_weights_files(
@@ -208,10 +165,7 @@ def create_weights_files(
     Returns:
         The path to load from: the `.h5` file, or the `.json` weight map.
     """
-    if max_shard_size is None:
-        store: Any = _LayoutStore(pathlib.Path(path), mode="w")
-    else:
-        store = _ShardedLayoutStore(pathlib.Path(path), max_shard_size, mode="w")
+    store = _compat.unfilled_weights_store(pathlib.Path(path), max_shard_size, _create_dataset)
     try:
         for event in layout.events:
             if isinstance(event, GroupLayout):

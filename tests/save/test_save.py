@@ -349,3 +349,10 @@ def test_fine_tune_and_save_example_of_the_readme(presets, tmp_path):
                                verify=True, progress=False)
     ours.compile(sampler="greedy")
     assert ours.generate(["the quick brown fox"], max_length=12) == tokens
+
+
+def test_a_weight_larger_than_max_shard_size(presets, tmp_path):
+    model = load_sharded_preset(presets["llama"], mesh=(1, 8), progress=False)
+    with pytest.raises(SaveError, match=r"larger than max_shard_size.*Raise max_shard_size"):
+        save_sharded_preset(model, str(tmp_path / "p"), max_shard_size=0.00001)
+    assert os.listdir(tmp_path) == []
