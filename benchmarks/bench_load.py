@@ -252,15 +252,21 @@ def _rss_of(pid: int) -> int:
 
 
 def _spawn(args, case: str) -> dict:
-    """Runs one case in a fresh process. Stock cases run under a host-RSS
-    cap, watched from here (every 5 ms): a process holding the GIL in a long
-    C call cannot watch itself."""
+    """Runs one case in a fresh process; stock cases under the RSS cap."""
     command = [
         sys.executable, os.path.abspath(__file__), "--case", case,
         "--preset", args.preset, "--dtype", args.dtype, "--config", args.config,
         "--num_threads", str(args.num_threads), "--format", args.format,
     ]
     cap = int(args.stock_cap_gb * 1e9) if case.startswith("stock") and args.stock_cap_gb else 0
+    return run_capped(command, cap)
+
+
+def run_capped(command: list[str], cap: int) -> dict:
+    """Runs a case command in a fresh process and returns its `RESULT` json.
+    With `cap` (bytes), the process is watched from here every 5 ms and
+    stopped above that host RSS: a process holding the GIL in a long C call
+    cannot watch itself."""
     started = time.perf_counter()
     with subprocess.Popen(
         command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -81,8 +81,8 @@ from bench_load import (  # noqa: E402
     _cpu_seconds,
     _env,
     _median,
-    _rss_of,
     _write,
+    run_capped,
 )
 
 FLOOR_BUFFER_BYTES = 64 << 20
@@ -343,58 +343,14 @@ def run_case(args) -> None:
 
 
 def _spawn(args, case: str, out: str) -> dict:
-    """Runs one case in a fresh process. Stock runs under a host-RSS cap,
-    watched from here every 5 ms (as bench_load's stock case)."""
+    """Runs one case in a fresh process; stock under the host-RSS cap."""
     command = [
         sys.executable, os.path.abspath(__file__), "--case", case, "--config", args.config,
         "--preset", args.preset, "--out", out, "--nbytes", str(args.nbytes),
         "--num_threads", str(args.num_threads),
     ] + (["--check"] if args.check else [])
     cap = int(args.stock_cap_gb * 1e9) if case == "stock" and args.stock_cap_gb else 0
-    started = time.perf_counter()
-    with subprocess.Popen(
-        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as proc:
-        peak_rss = 0
-        killed = None
-        out_lines: list[str] = []
-        err_lines: list[str] = []
-        readers = [
-            threading.Thread(target=lambda: out_lines.extend(proc.stdout), daemon=True),
-            threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True),
-        ]
-        for r in readers:
-            r.start()
-        while proc.poll() is None:
-            rss = _rss_of(proc.pid)
-            peak_rss = max(peak_rss, rss)
-            if cap and rss > cap and killed is None:
-                proc.kill()
-                killed = {
-                    "killed": True,
-                    "reason": f"stopped by the benchmark at host RSS {rss / 1e9:.2f} GB "
-                    f"(cap {cap / 1e9:.1f} GB) after {time.perf_counter() - started:.1f} s "
-                    "(process start and load included)",
-                    "wall_s": time.perf_counter() - started,
-                }
-            time.sleep(0.005)
-        for r in readers:
-            r.join()
-    if killed is not None:
-        killed["stderr_tail"] = "".join(err_lines)[-1000:]
-        return killed
-    lines = [line for line in out_lines if line.startswith(RESULT_TAG)]
-    if not lines:
-        return {
-            "failed": True,
-            "returncode": proc.returncode,
-            "stderr_tail": "".join(err_lines)[-2000:],
-            "wall_s": time.perf_counter() - started,
-        }
-    result = json.loads(lines[-1][len(RESULT_TAG):])
-    result["returncode"] = proc.returncode
-    result["process_peak_rss_polled"] = peak_rss
-    return result
+    return run_capped(command, cap)
 
 
 def _remove(path: str) -> None:

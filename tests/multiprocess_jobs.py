@@ -16,6 +16,28 @@ TIME_LIMIT_S = 240
 UNSUPPORTED = 77
 
 
+def join_job(process_id, num_processes, port, local_devices):
+    """In a worker, before anything imports JAX: simulate `local_devices` CPU
+    devices and join the job over loopback (gloo). Exits with `UNSUPPORTED`
+    when the platform cannot run a multi-process JAX job."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=120,
+        )
+    except Exception as error:  # noqa: BLE001 - reported to the test as a skip
+        print(f"cannot start a multi-process JAX job here: {error!r}", file=sys.stderr)
+        sys.exit(UNSUPPORTED)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

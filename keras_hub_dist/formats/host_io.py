@@ -87,13 +87,19 @@ def preadv_full(fd: int, buffers: list[memoryview], offset: int) -> int:
                 "or changed during the load."
             )
         done += n
-        # A short read (signals, > 2 GiB requests) resumes mid-buffer.
-        while pending and n >= len(pending[0]):
-            n -= len(pending[0])
-            pending = pending[1:]
-        if pending and n:
-            pending = [pending[0][n:]] + pending[1:]
+        pending = _after(pending, n)
     return calls
+
+
+def _after(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """What is left of `buffers` once `n` bytes went through: a short read
+    or write (signals, > 2 GiB requests) resumes mid-buffer."""
+    while buffers and n >= len(buffers[0]):
+        n -= len(buffers[0])
+        buffers = buffers[1:]
+    if buffers and n:
+        buffers = [buffers[0][n:]] + buffers[1:]
+    return buffers
 
 
 def read_runs(
@@ -133,11 +139,7 @@ def pwritev_full(fd: int, buffers: list[memoryview], offset: int) -> int:
         if n <= 0:
             raise OSError(f"pwritev wrote nothing at offset {offset}")
         offset += n
-        while pending and n >= len(pending[0]):
-            n -= len(pending[0])
-            pending = pending[1:]
-        if pending and n:
-            pending = [pending[0][n:]] + pending[1:]
+        pending = _after(pending, n)
     return calls
 
 

@@ -13,32 +13,18 @@ multi-process JAX job (the test then skips with the message).
 
 import json
 import os
+import pathlib
 import sys
 
-UNSUPPORTED = 77
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from tests.multiprocess_jobs import join_job  # noqa: E402
 
 
 def main() -> None:
     process_id, num_processes, port, local_devices = map(int, sys.argv[1:5])
     preset, mesh_arg, out_dir = sys.argv[5:8]
-    os.environ["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count={local_devices}"
-    )
-    os.environ["KERAS_BACKEND"] = "jax"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    join_job(process_id, num_processes, port, local_devices)
     import jax
-
-    try:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}",
-            num_processes=num_processes,
-            process_id=process_id,
-            initialization_timeout=120,
-        )
-    except Exception as error:  # noqa: BLE001 - reported to the test as a skip
-        print(f"cannot start a multi-process JAX job here: {error!r}", file=sys.stderr)
-        sys.exit(UNSUPPORTED)
 
     import keras
     import numpy as np

@@ -92,12 +92,13 @@ def _assert_same_preset(ours, stock, weights_name=None):
 
 
 def _save_with_sampler(model, path, **kwargs):
+    """Saves; returns (max over devices of peak / before, max added bytes)."""
     with memory.MemorySampler() as sampler:
         save_sharded_preset(model, path, **kwargs)
-    return max(
-        sampler.peak_per_device[d] / sampler.start_per_device[d]
-        for d in sampler.start_per_device if sampler.start_per_device[d]
-    )
+    devices = [d for d in sampler.start_per_device if sampler.start_per_device[d]]
+    ratio = max(sampler.peak_per_device[d] / sampler.start_per_device[d] for d in devices)
+    added = max(sampler.peak_per_device[d] - sampler.start_per_device[d] for d in devices)
+    return ratio, added
 
 
 def _assert_same_weights(a, b):
@@ -110,7 +111,7 @@ def _assert_same_weights(a, b):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_backbone_saves_what_stock_saves(family, mesh_shape, presets, tmp_path):
     model = load_sharded_preset(presets[family], mesh=mesh_shape, progress=False)
-    peak = _save_with_sampler(model, str(tmp_path / "ours"))
+    peak, _ = _save_with_sampler(model, str(tmp_path / "ours"))
     assert peak <= 1.0  # no device computes or gathers anything
     model.save_to_preset(str(tmp_path / "stock"))  # stock, same model
     _assert_same_preset(str(tmp_path / "ours"), str(tmp_path / "stock"))
@@ -168,11 +169,18 @@ def test_lora_saves_merged_kernels_like_stock(presets, tmp_path):
     rng = np.random.default_rng(0)
     for variable in model.trainable_variables:  # the LoRA factors
         variable.assign(rng.standard_normal(variable.shape).astype("float32") * 0.1)
-    peak = _save_with_sampler(model, str(tmp_path / "ours"))
+    _, added = _save_with_sampler(model, str(tmp_path / "ours"))
     model.save_to_preset(str(tmp_path / "stock"))
     _assert_same_preset(str(tmp_path / "ours"), str(tmp_path / "stock"))
-    # A merged kernel exists on the devices only while it is written.
-    assert peak <= 1.05
+    # Keras computes a merged kernel replicated (its LoRA factors are); it
+    # exists on the devices only while it is written: one at a time, never
+    # all four of the model at once.
+    kernel_bytes = [
+        int(np.prod(layer._kernel.shape)) * 4
+        for layer in model._flatten_layers() if getattr(layer, "lora_enabled", False)
+    ]
+    assert len(kernel_bytes) == 4
+    assert 0 < added <= max(kernel_bytes) + 1024
 
 
 def test_overwrite_replaces_only_when_complete(presets, tmp_path):
