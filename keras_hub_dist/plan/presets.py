@@ -16,10 +16,40 @@ Named architectures (aliases in brackets):
 - Gemma 3 (text only): gemma3_270m, gemma3_1b, gemma3_4b_text,
   gemma3_12b_text, gemma3_27b_text.
 - Llama: llama2_7b_en [llama2_7b], llama3_8b_en [llama3_8b],
-  llama3.1_8b [llama3.1_8b_en, llama3_1_8b], llama3.2_1b [llama3.2_1b_en].
+  llama3.1_8b [llama3.1_8b_en, llama3_1_8b], llama3.2_1b [llama3.2_1b_en],
+  llama3.2_3b [llama3.2_3b_en], llama3.2_instruct_1b, llama3.2_instruct_3b,
+  llama3.2_guard_1b [llama_guard3_1b] (these three also with `_en` aliases).
 - Qwen 2.5: qwen2.5_0.5b_en, qwen2.5_3b_en, qwen2.5_7b_en (aliases without
   `_en`). Qwen 3: qwen3_0.6b_en ... qwen3_32b_en (aliases without `_en`).
 - Mistral: mistral_7b_en [mistral_7b], mistral_0.3_7b_en [mistral_0.3_7b].
+- Gemma 4 (KerasHub's presets: text decoder + vision encoder, + audio encoder
+  for E2B/E4B): gemma4_2b [gemma4_e2b], gemma4_instruct_2b [gemma4_e2b_it],
+  gemma4_4b [gemma4_e4b], gemma4_instruct_4b [gemma4_e4b_it],
+  gemma4_26b_a4b [gemma4_26b], gemma4_instruct_26b_a4b [gemma4_26b_a4b_it],
+  gemma4_31b, gemma4_instruct_31b [gemma4_31b_it]; the speculative-decoding
+  assistants (their Gemma4Backbone) gemma4_instruct_2b_assistant,
+  gemma4_instruct_4b_assistant, gemma4_instruct_26b_a4b_assistant,
+  gemma4_instruct_31b_assistant [gemma4_e2b_it_assistant, ...].
+- Qwen 3.5 (with the vision encoder): qwen3_5_0.8b_base, qwen3_5_0.8b,
+  qwen3_5_2b_base, qwen3_5_2b, qwen3_5_4b_base, qwen3_5_4b, qwen3_5_9b_base,
+  qwen3_5_9b, qwen3_5_27b, qwen3_6_27b, qwen3_8_27b (aliases with a dot:
+  qwen3.5_0.8b, ..., qwen3.6_27b, qwen3.8_27b).
+- Qwen 3.5 MoE: qwen3_5_moe_35b_a3b_base [qwen3.5_35b_a3b_base],
+  qwen3_5_moe_35b_a3b [qwen3.5_35b_a3b], qwen3_6_moe_35b_a3b
+  [qwen3.6_35b_a3b] (with the vision encoder), qwen_agent_world_35b_a3b
+  [qwen_agentworld_35b_a3b] (text only).
+- Qwen 3 MoE: qwen3_moe_30b_a3b_en [qwen3_moe_30b_a3b, qwen3_30b_a3b],
+  qwen3_moe_235b_a22b_en [qwen3_moe_235b_a22b, qwen3_235b_a22b],
+  qwen3_coder_instruct_30b_a3b_en [qwen3_coder_30b_a3b].
+- Mixtral: mixtral_8_7b_en [mixtral_8x7b], mixtral_8_instruct_7b_en
+  [mixtral_8x7b_instruct].
+- gpt-oss: gpt_oss_20b_en [gpt_oss_20b], gpt_oss_120b_en [gpt_oss_120b],
+  gpt_oss_safeguard_20b_en [gpt_oss_safeguard_20b],
+  gpt_oss_safeguard_120b_en [gpt_oss_safeguard_120b].
+
+Where a config or count needs explaining (KerasHub's rounded or mislabelled
+metadata, towers included, values inferred rather than sourced), the entry's
+`notes` say so, and `source` names where its config comes from.
 
 Example:
 
@@ -89,6 +119,9 @@ class PresetEntry:
         notes: Where this entry deviates from KerasHub's metadata, and why.
         kerashub_metadata_params: KerasHub's published count when it differs
             from `parameter_count` (see `notes`), else `None`.
+        source: Where the config comes from (a stored copy of the preset's or
+            the Hugging Face checkpoint's `config.json`, and how it was
+            converted); `""` where not recorded.
     """
 
     name: str
@@ -104,6 +137,7 @@ class PresetEntry:
     notes: tuple[str, ...]
     kerashub_metadata_params: int | None
     _config_json: str = dataclasses.field(repr=False)
+    source: str = dataclasses.field(default="", repr=False)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -150,6 +184,7 @@ def _entry_from_data(data: Mapping[str, Any], source: str) -> PresetEntry:
         notes=tuple(data.get("notes", ())),
         kerashub_metadata_params=data.get("kerashub_metadata_params"),
         _config_json=json.dumps(config, sort_keys=True),
+        source=str(data.get("source", "")),
     )
 
 

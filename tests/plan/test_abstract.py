@@ -22,7 +22,17 @@ def _live_bytes() -> int:
     return sum(memory.live_bytes_per_device().values())
 
 
-@pytest.mark.parametrize("name", presets.names())
+# Gemma 4 (rounded published counts, assistant heads) and Qwen 3.5 (vision
+# towers built in float32 beside bfloat16 text weights) have their own count
+# rules in test_presets_new_models.py.
+_OWN_COUNT_RULES = ("Gemma4Backbone", "Qwen3_5Backbone", "Qwen3_5MoeBackbone")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n for n in presets.names()
+     if presets.resolve(n).config_json()["class_name"] not in _OWN_COUNT_RULES],
+)
 def test_parameter_count_equals_kerashub_published_metadata(name):
     entry = presets.resolve(name)
     before = _live_bytes()
