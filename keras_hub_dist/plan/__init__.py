@@ -2,7 +2,8 @@
 
 Named architectures (`presets`), model families (`families`), mesh parsing
 (`mesh`), partition-spec arithmetic (`specs`), byte sizes (`sizes`),
-hand-written layout maps (`layouts`), automatic layout planning from the
+hand-written layout maps (`layouts`, with the rules of the MoE / hybrid
+families in `family_rules`), automatic layout planning from the
 traced model (`auto_layout`, with `auto_layout_decisions`,
 `auto_layout_report` and the trace in `weight_graph`), the layouts of one
 model on one mesh (`model_layouts`), and abstract builds with per-device

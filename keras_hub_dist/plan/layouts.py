@@ -1,11 +1,21 @@
 """Tensor-parallel layout maps for the KerasHub LLM families, valid per shape.
 
 `get_layout_map` returns KerasHub's own `get_layout_map` for the families that
-have one (Gemma / Gemma 2, Llama 2 / 3, Qwen 2.5, Qwen MoE) and a map with the
-same conventions for those that lack one (Gemma 3: Gemma's rules; Qwen 3 and
-Mistral: Llama's rules). Untied output embeddings
+have one (Gemma / Gemma 2, Llama 2 / 3, Qwen 2.5, Qwen MoE, Qwen 3 MoE) and a
+map with the same conventions for those that lack one (`family_rules`: Gemma
+3 and Gemma 4 follow Gemma's rules; Qwen 3, Mistral, Qwen 3.5, Qwen 3.5 MoE,
+Mixtral and gpt-oss follow Llama's). Untied output embeddings
 (`token_embedding/reverse_embeddings`), which KerasHub's maps leave
-replicated, are sharded like the input table.
+replicated, are sharded like the input table, and Qwen 3 MoE's expert banks,
+which KerasHub's map leaves replicated, are added.
+
+Mixture-of-Experts banks (Mixtral, Qwen 3 / 3.5 MoE, gpt-oss, Gemma 4
+26B-A4B) are split along the expert axis, which keeps each expert's matmuls
+local with one all-reduce, as KerasHub runs every expert on every token;
+where the model axis does not divide the expert count they move to the
+expert-FFN dimension (a reported fallback), and where it divides neither,
+`get_layout_map` raises a `LayoutError` naming the variable, its shape and
+the axis size rather than replicate the bank (details in `family_rules`).
 
 A hand-written map shards an axis without knowing its size, so KerasHub's
 Gemma map asks to split the KV-heads axis of `gemma_2b_en` (1 KV head) or
@@ -15,8 +25,10 @@ architecture), every variable's layout is checked against the mesh from
 shapes alone; where an axis does not divide, the mesh axes move to another
 dimension of that variable that they divide (the largest free one, else
 merged into an already sharded one), or the variable is replicated on them.
-Each such variable gets an exact-path entry, is listed in the map's `report`
-(`LayoutReport`) and announced by one `LayoutFallbackWarning`.
+Each such variable gets an exact-path entry (or, where every variable of a
+rule falls back alike, the rule is rewritten, so another build whose
+auto-generated layer names differ still matches), is listed in the map's
+`report` (`LayoutReport`) and announced by one `LayoutFallbackWarning`.
 
 Example:
 
@@ -45,8 +57,10 @@ import keras
 
 from keras_hub_dist.errors import LayoutError
 from keras_hub_dist.errors import LayoutFallbackWarning
+from keras_hub_dist.plan import family_rules
 from keras_hub_dist.plan import presets
 from keras_hub_dist.plan import specs
+from keras_hub_dist.plan.family_rules import ExpertBank
 from keras_hub_dist.plan.families import keras_hub_family
 from keras_hub_dist.plan.mesh import axis_sizes
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
@@ -61,54 +75,12 @@ __all__ = [
 
 Axes = tuple[Any, ...]
 
-# Families whose KerasHub backbone has no `get_layout_map`, and which KerasHub
-# map their variable names and shapes follow.
-_GEMMA_STYLE = ("gemma3",)
-_LLAMA_STYLE = ("qwen3", "mistral")
-
-
-def _gemma_rules(model: str, data: str) -> dict[str, Axes]:
-    # Same keys and axes as `keras_hub.models.GemmaBackbone.get_layout_map`:
-    # attention kernels are (heads, hidden, head_dim) / (heads, head_dim,
-    # hidden), the FFN kernels (hidden, ffn) / (ffn, hidden).
-    return {
-        "token_embedding/embeddings": (model, data),
-        "decoder_block.*attention.*(query|key|value).kernel": (model, data, None),
-        "decoder_block.*attention_output.kernel": (model, None, data),
-        "decoder_block.*ffw_gating.kernel": (data, model),
-        "decoder_block.*ffw_gating_2.kernel": (data, model),
-        "decoder_block.*ffw_linear.kernel": (model, data),
-    }
-
-
-def _llama_rules(model: str, data: str) -> dict[str, Axes]:
-    # Same keys and axes as `keras_hub.models.LlamaBackbone.get_layout_map`:
-    # q/k/v kernels are (hidden, heads, head_dim), the output kernel
-    # (heads, head_dim, hidden).
-    return {
-        "token_embedding/embeddings": (model, data),
-        "transformer_layer.*self_attention.*(query|key|value).kernel": (
-            model, data, None,
-        ),
-        "transformer_layer.*attention_output.kernel": (model, None, data),
-        "transformer_layer.*feedforward_intermediate_dense.kernel": (data, model),
-        "transformer_layer.*feedforward_gate_dense.kernel": (data, model),
-        "transformer_layer.*feedforward_output_dense.kernel": (model, data),
-    }
-
-
-# Added to every family's map: the untied output projection (hidden, vocab)
-# is as large as the input table; KerasHub's maps leave it replicated.
-def _extra_rules(model: str, data: str) -> dict[str, Axes]:
-    return {"token_embedding/reverse_embeddings": (data, model)}
-
 
 def supported_families() -> list[str]:
     """Registry families `get_layout_map` has a map for (without a model)."""
     return sorted(
         {"gemma", "llama", "llama3", "qwen", "qwen_moe", "qwen3_moe"}
-        | set(_GEMMA_STYLE)
-        | set(_LLAMA_STYLE)
+        | set(family_rules.hand_written_families())
     )
 
 
@@ -177,9 +149,15 @@ class LayoutReport:
             f"{len(self.fallbacks)} fell back."
         ]
         for (rule, shape, requested, used), paths in _grouped(self.fallbacks):
+            dropped = {
+                name: sizes[name]
+                for name in sorted(set(_names_of(requested)) - set(_names_of(used)))
+            }
+            replicated = f", REPLICATED over mesh axes {dropped}" if dropped else ""
             lines.append(
                 f"  {len(paths)} x {paths[0]!r}{' ...' if len(paths) > 1 else ''}"
-                f" shape {shape}: {requested} -> {used} (rule {rule!r})"
+                f" shape {shape}: {requested} -> {used}{replicated} "
+                f"(rule {rule!r})"
             )
         return "\n".join(lines)
 
@@ -236,20 +214,22 @@ def _target(model_or_class_or_name: Any) -> tuple[type, list[tuple[str, tuple]] 
 def _base_rules(
     cls: type, family: str | None, mesh: keras.distribution.DeviceMesh,
     model_dim: str, data_dim: str,
-) -> tuple[dict[str, Axes], str]:
+) -> tuple[dict[str, Axes], dict[str, ExpertBank], str]:
+    """`(rules: key -> axes, expert banks: key -> ExpertBank, source)`."""
     keras_hub_map = getattr(cls, "get_layout_map", None)
+    written = None
+    if not callable(keras_hub_map):
+        written = family_rules.family_rules(family, model_dim, data_dim)
     if callable(keras_hub_map):
         layout_map = keras_hub_map(
             mesh,
             model_parallel_dim_name=model_dim,
             data_parallel_dim_name=data_dim,
         )
-        rules = {key: tuple(layout_map[key].axes) for key in layout_map}
+        rules: dict[str, Any] = {key: tuple(layout_map[key].axes) for key in layout_map}
         source = "keras_hub"
-    elif family in _GEMMA_STYLE:
-        rules, source = _gemma_rules(model_dim, data_dim), "keras_hub_dist"
-    elif family in _LLAMA_STYLE:
-        rules, source = _llama_rules(model_dim, data_dim), "keras_hub_dist"
+    elif written is not None:
+        rules, source = written, "keras_hub_dist"
     else:
         raise LayoutError(
             f"No layout map is known for {cls.__name__} (registry family "
@@ -258,9 +238,14 @@ def _base_rules(
             f"{cls.__name__}. Write a keras.distribution.LayoutMap for it, or "
             "use automatic planning (keras_hub_dist.plan_layout) when available."
         )
-    for key, axes in _extra_rules(model_dim, data_dim).items():
+    for key, axes in family_rules.extra_rules(family, model_dim, data_dim).items():
         rules.setdefault(key, axes)
-    return rules, source
+    banks = {key: bank for key, bank in rules.items() if isinstance(bank, ExpertBank)}
+    axes_of = {
+        key: bank.axes if isinstance(bank, ExpertBank) else tuple(bank)
+        for key, bank in rules.items()
+    }
+    return axes_of, banks, source
 
 
 def _fallback_axes(
@@ -300,6 +285,49 @@ def _fallback_axes(
     return tuple(used)
 
 
+def _keras_axes(axes: Axes, sizes: Mapping[str, int]) -> Axes:
+    """`axes` with at most one mesh axis per dimension, as Keras layouts take.
+
+    A merged entry (`_fallback_axes`) keeps its axes of size > 1 only, and of
+    those the largest; the others are replicated (the fallback reports it).
+    """
+    result: list[Any] = []
+    for entry in axes:
+        names = specs.entry_axes(entry)
+        if len(names) <= 1:
+            result.append(names[0] if names else None)
+            continue
+        big = [name for name in names if sizes[name] > 1]
+        result.append(max(big, key=lambda n: sizes[n]) if big else names[0])
+    return tuple(result)
+
+
+def _fallback_entries(
+    fallbacks: Sequence[LayoutFallback],
+    matched: Mapping[str, int],
+    rules: Mapping[str, Axes],
+) -> dict[str, Axes]:
+    """LayoutMap entries for the fallbacks: an exact-path entry each, except
+    where every variable a rule matches fell back to the same axes: then the
+    rule itself is rewritten, which also holds for another build of the model
+    whose auto-generated layer names differ (e.g. `mixtral_sparse_moe_block_1`
+    in a process that built Mixtral before)."""
+    by_rule: dict[str, list[LayoutFallback]] = {}
+    for fallback in fallbacks:
+        by_rule.setdefault(fallback.rule, []).append(fallback)
+    entries: dict[str, Axes] = {}
+    for rule, group in by_rule.items():
+        if (
+            rule in rules
+            and len(group) == matched.get(rule, 0)
+            and len({fallback.used for fallback in group}) == 1
+        ):
+            entries[rule] = group[0].used
+        else:
+            entries.update((fallback.path, fallback.used) for fallback in group)
+    return entries
+
+
 def _check_axis_names(
     mesh: keras.distribution.DeviceMesh, model_dim: str, data_dim: str
 ) -> None:
@@ -325,12 +353,15 @@ def get_layout_map(
     """A `LayoutMap` for a KerasHub LLM, checked against its variable shapes.
 
     Uses KerasHub's own `get_layout_map` where the backbone class has one,
-    and the same conventions otherwise (Gemma 3: Gemma's; Qwen 3, Mistral:
-    Llama's). Given shapes (a model or named architecture), every variable's
-    layout is validated from shapes alone (no weight is allocated); where a
-    mesh axis does not divide a dimension it is moved to another dimension of
-    that variable or dropped (replicated), with an exact-path entry, a
-    `LayoutFallback` in `layout_map.report` and a `LayoutFallbackWarning`.
+    and the same conventions otherwise (Gemma 3 / 4: Gemma's; Qwen 3,
+    Mistral, Qwen 3.5 (+ MoE), Mixtral, gpt-oss: Llama's; see
+    `family_rules`). Given shapes (a model or named architecture), every
+    variable's layout is validated from shapes alone (no weight is
+    allocated); where a mesh axis does not divide a dimension it is moved to
+    another dimension of that variable or dropped (replicated), with an
+    exact-path entry, a `LayoutFallback` in `layout_map.report` and a
+    `LayoutFallbackWarning`. An expert bank whose expert count the model axis
+    does not divide moves to its expert-FFN dimension (also a fallback).
 
     Args:
         model_or_class_or_name: A KerasHub backbone or task (built, or
@@ -349,7 +380,10 @@ def get_layout_map(
         `report` is a `LayoutReport`.
 
     Raises:
-        LayoutError: an axis name is not in the mesh, or the family has no map.
+        LayoutError: an axis name is not in the mesh, the family has no map,
+            or the model axis divides neither the expert count nor the expert
+            FFN width of an expert bank (the message names the variable, its
+            shape and the axis size; a bank is never replicated silently).
 
     Example:
 
@@ -362,7 +396,7 @@ def get_layout_map(
     _check_axis_names(mesh, model_parallel_dim_name, data_parallel_dim_name)
     cls, variables = _target(model_or_class_or_name)
     family = keras_hub_family(cls)
-    rules, source = _base_rules(
+    rules, banks, source = _base_rules(
         cls, family, mesh, model_parallel_dim_name, data_parallel_dim_name
     )
     sizes = axis_sizes(mesh)
@@ -370,24 +404,45 @@ def get_layout_map(
     for key, axes in rules.items():
         layout_map[key] = axes
     fallbacks: list[LayoutFallback] = []
+    matched: dict[str, int] = {}
     for path, shape in variables or ():
         layout = layout_map[path]
         if layout is None:
             continue
         requested = tuple(layout.axes)
-        try:
-            specs.validate_spec(path, shape, requested, sizes)
-            continue
-        except LayoutError as error:
-            reason = str(error)
-        used = _fallback_axes(shape, requested, sizes)
-        specs.validate_spec(path, shape, used, sizes)
         rule = next((key for key in rules if layout_map[key] is layout), path)
+        matched[rule] = matched.get(rule, 0) + 1
+        wanted, reasons = requested, []
+        if rule in banks:
+            # Experts first, else the expert FFN, else a LayoutError.
+            bank = banks[rule]
+            wanted = family_rules.expert_axes(
+                path, tuple(shape), bank, sizes, model_parallel_dim_name
+            )
+            if wanted != requested:
+                reasons.append(
+                    f"mesh axis '{model_parallel_dim_name}' of size "
+                    f"{sizes[model_parallel_dim_name]} does not divide the "
+                    f"expert count {shape[bank.expert_dim]}: the bank is split "
+                    f"along its expert FFN dimension ({shape[bank.ffn_dim]})."
+                )
+        try:
+            specs.validate_spec(path, shape, wanted, sizes)
+            used = wanted
+        except LayoutError as error:
+            reasons.append(str(error))
+            used = _keras_axes(_fallback_axes(shape, wanted, sizes), sizes)
+        if used == requested:
+            continue
+        reason = " ".join(reasons)
+        specs.validate_spec(path, shape, used, sizes)
         fallbacks.append(
             LayoutFallback(path, tuple(shape), rule, requested, used, reason)
         )
-    for fallback in fallbacks:
-        layout_map[fallback.path] = fallback.used
+    for key, axes in _fallback_entries(fallbacks, matched, rules).items():
+        if key in rules:  # a rule rewritten, or an exact-path rule
+            del layout_map[key]
+        layout_map[key] = axes
     layout_map.report = LayoutReport(
         family=family,
         source=source,
@@ -403,7 +458,7 @@ def get_layout_map(
             "shape, so it was moved to another dimension or dropped "
             "(replicated).\n" + layout_map.report.summary() + "\nInspect "
             "`layout_map.report`; choose a mesh whose model axis divides the "
-            "head counts to avoid this.",
+            "head (and expert) counts to avoid this.",
             LayoutFallbackWarning,
             stacklevel=2,
         )

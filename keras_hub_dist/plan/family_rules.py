@@ -1,0 +1,379 @@
+"""Hand-written layout rules for the families whose KerasHub backbone has none.
+
+`layouts.get_layout_map` uses KerasHub's own `get_layout_map` where a
+backbone class has one and the rules here otherwise; `extra_rules` adds to
+either. Keys are `keras.distribution.LayoutMap` regexes (matched with
+`re.fullmatch`, so each variable path must match at most one key); values
+are one mesh-axis entry per dimension, or an `ExpertBank` for the stacked
+expert weights of a Mixture-of-Experts layer.
+
+Conventions (those of KerasHub's Gemma and Llama maps): every large matrix
+puts the model axis on one dimension and the data axis on another (storage
+sharding over the batch axis, as KerasHub does); embeddings are split along
+the vocabulary; small vectors (norm scales, biases, per-head scalars) stay
+replicated. Per family:
+
+- Gemma 3: Gemma's rules. Gemma 4 (`gemma4`): Gemma's rules plus the
+  per-layer embeddings (PLE: a `(vocabulary, layers * width)` table split
+  along the vocabulary like the token table, its projection and the per-layer
+  gate / up projections split along their wide dimension), the MoE router
+  (hidden dimension) and the expert bank of the 26B-A4B, and the named
+  presets' image tower (Gemma-style blocks, position table split along
+  positions) and audio tower (conformer blocks; every kernel split along
+  its wide dimension).
+- Qwen 3, Mistral: Llama's rules. Qwen 3.5 (`qwen3_5`): Llama's rules for
+  full-attention and FFN layers, plus the Gated DeltaNet layers: the fused
+  q/k/v, z, a and b input projections split along their output (head)
+  dimension, the output projection along its input, and the depthwise conv
+  kernel along its channels (matching `in_proj_qkv`'s output). Qwen 3.5 MoE
+  (`qwen3_5_moe`): the same, with the shared expert as a dense FFN and the
+  routed experts as an expert bank. Both cover the presets' vision tower
+  (fused qkv and fc1 split along their output, proj and fc2 along their
+  input, as Megatron-style tensor parallelism does).
+- Mixtral (`mixtral`), gpt-oss (`gpt_oss`): Llama's attention rules, the
+  router along the hidden dimension, the expert banks (and gpt-oss's
+  per-expert biases) along the expert axis. gpt-oss's attention sinks and
+  q/k/v biases are per-head vectors and stay replicated.
+- Qwen 3 MoE (`qwen3_moe`): KerasHub's map, which covers attention, the
+  embeddings and (through its `feedforward_gate_dense` key) the router, but
+  not the expert banks, which are 97% of the 30B-A3B's weights and would be
+  replicated on every device: `extra_rules` adds them.
+
+Experts. KerasHub's MoE layers (Mixtral, Qwen 3 / 3.5 MoE, gpt-oss, Gemma 4)
+run every expert on every token as batched einsums over stacked weights
+(`"th,ehm->etm"`, then `"eti,eih->eth"`) and sum the router-weighted outputs
+over the expert axis. An expert bank is therefore split along the expert
+axis: each device runs its own experts' gate, up and down matmuls on every
+token (tokens are replicated over the model axis) with no communication,
+and the weighted sum over experts becomes one all-reduce of the `(tokens,
+hidden)` output, exactly like a tensor-parallel dense FFN. No token
+all-to-all is needed, because KerasHub does not dispatch tokens; the fused
+gate/up kernels of Qwen and gpt-oss (`2 * ffn` wide, split in halves or
+interleaved inside each expert) stay whole on their device.
+When the model axis does not divide the expert count (Mixtral's 8 experts on
+16 devices) the bank moves to the expert-FFN (intermediate) dimension: each
+device then holds a slice of every expert, the gate/up/down matmuls stay
+local per slice and the down projection's partial sums need the same single
+all-reduce, as in Megatron-style dense tensor parallelism (a fused gate/up
+kernel is then split across its gate/up halves, which XLA reshuffles). This
+is a `LayoutFallback` with a warning. When the model axis divides neither,
+`expert_axes` raises a `LayoutError` naming the variable and the numbers:
+replicating an expert bank would put most of the model on every device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from keras_hub_dist.errors import LayoutError
+from keras_hub_dist.plan import specs
+
+__all__ = [
+    "ExpertBank",
+    "expert_axes",
+    "extra_rules",
+    "family_rules",
+    "hand_written_families",
+]
+
+Axes = tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertBank:
+    """The rule of a stacked expert weight `(experts, ..., ...)`.
+
+    Attributes:
+        axes: The requested axes (model axis on `expert_dim`).
+        expert_dim: The dimension indexing experts.
+        ffn_dim: The expert-FFN (intermediate) dimension, where the model
+            axis moves when it does not divide the expert count.
+    """
+
+    axes: Axes
+    expert_dim: int
+    ffn_dim: int
+
+
+Rules = dict[str, "Axes | ExpertBank"]
+
+
+def gemma_rules(model: str, data: str) -> Rules:
+    # Same keys and axes as `keras_hub.models.GemmaBackbone.get_layout_map`:
+    # attention kernels are (heads, hidden, head_dim) / (heads, head_dim,
+    # hidden), the FFN kernels (hidden, ffn) / (ffn, hidden).
+    return {
+        "token_embedding/embeddings": (model, data),
+        "decoder_block.*attention.*(query|key|value).kernel": (model, data, None),
+        "decoder_block.*attention_output.kernel": (model, None, data),
+        "decoder_block.*ffw_gating.kernel": (data, model),
+        "decoder_block.*ffw_gating_2.kernel": (data, model),
+        "decoder_block.*ffw_linear.kernel": (model, data),
+    }
+
+
+def llama_attention_rules(model: str, data: str) -> Rules:
+    # Same keys and axes as `keras_hub.models.LlamaBackbone.get_layout_map`:
+    # q/k/v kernels are (hidden, heads, head_dim), the output kernel
+    # (heads, head_dim, hidden).
+    return {
+        "token_embedding/embeddings": (model, data),
+        "transformer_layer.*self_attention.*(query|key|value).kernel": (
+            model, data, None,
+        ),
+        "transformer_layer.*attention_output.kernel": (model, None, data),
+    }
+
+
+def llama_rules(model: str, data: str) -> Rules:
+    return {
+        **llama_attention_rules(model, data),
+        "transformer_layer.*feedforward_intermediate_dense.kernel": (data, model),
+        "transformer_layer.*feedforward_gate_dense.kernel": (data, model),
+        "transformer_layer.*feedforward_output_dense.kernel": (model, data),
+    }
+
+
+def _stacked_experts(model: str, data: str) -> Rules:
+    # Mixtral, Qwen 3 MoE and Qwen 3.5 MoE: `(E, hidden, ffn)` gate and up
+    # kernels (Qwen fuses them into one `(E, hidden, 2 * ffn)`), `(E, ffn,
+    # hidden)` down kernel.
+    return {
+        "transformer_layer.*experts.expert_feedforward_(gate|intermediate)_dense": (
+            ExpertBank((model, data, None), expert_dim=0, ffn_dim=2)
+        ),
+        "transformer_layer.*experts.expert_feedforward_output_dense": (
+            ExpertBank((model, None, data), expert_dim=0, ffn_dim=1)
+        ),
+    }
+
+
+def gemma4_rules(model: str, data: str) -> Rules:
+    return {
+        **gemma_rules(model, data),
+        # Per-layer embeddings: (vocabulary, layers * width), looked up like
+        # the token table; (hidden, layers * width) projection.
+        "per_layer_token_embedding/embeddings": (model, data),
+        "per_layer_model_projection/kernel": (data, model),
+        # (hidden, width) gate and (width, hidden) up projection per layer.
+        "decoder_block.*per_layer_input_gate.kernel": (data, model),
+        "decoder_block.*per_layer_up_proj.kernel": (model, data),
+        # 26B-A4B: (hidden, experts) router, (E, hidden, ffn) gate / up and
+        # (E, ffn, hidden) down kernels.
+        "decoder_block.*moe_router.proj.kernel": (model, None),
+        "decoder_block.*moe_expert_bank.(gate_proj|up_proj)": ExpertBank(
+            (model, data, None), expert_dim=0, ffn_dim=2
+        ),
+        "decoder_block.*moe_expert_bank.down_proj": ExpertBank(
+            (model, None, data), expert_dim=0, ffn_dim=1
+        ),
+        **_gemma4_vision_rules(model, data),
+        **_gemma4_audio_rules(model, data),
+    }
+
+
+def _gemma4_vision_rules(model: str, data: str) -> Rules:
+    # The image tower: Gemma-style blocks whose kernels sit in a clipped
+    # linear's `dense` sublayer; (2, positions, width) position table.
+    block = "image_encoder/encoder_block_\\d+/"
+    return {
+        "patch_embedder/position_embedding_table": (None, model, data),
+        "image_encoder/patch_embedder/input_proj/kernel": (data, model),
+        block + "attention/(query|key|value)/dense/kernel": (model, data, None),
+        block + "attention/attention_output/dense/kernel": (model, None, data),
+        block + "ffw_gating(_2)?/dense/kernel": (data, model),
+        block + "ffw_linear/dense/kernel": (model, data),
+        "vision_output_encoder/vision_input_projection/kernel": (data, model),
+    }
+
+
+def _gemma4_audio_rules(model: str, data: str) -> Rules:
+    # The audio (conformer) tower: KerasHub names its sublayers from the
+    # block index, without the tower's name; every kernel is (in, out).
+    block = "conformer_\\d+_"
+    return {
+        "input_proj/kernel": (data, model),
+        block + "ffw_(start|end)_ffw_1/.*kernel": (data, model),
+        block + "ffw_(start|end)_ffw_2/.*kernel": (model, data),
+        block + "attention_attn_(q|k|v)_proj/.*kernel": (data, model),
+        block + "attention_out_proj/.*kernel": (model, data),
+        "rpe/pos_proj": (data, model),
+        block + "lconv_linear_start/.*kernel": (data, model),
+        block + "lconv_linear_end/.*kernel": (model, data),
+        "output_proj/kernel": (data, model),
+        "audio_output_projection/kernel": (data, model),
+        # Small convolutions of the subsampler / conformer: replicated.
+        "conv/kernel": (None, None, None, None),
+        "depthwise_conv/kernel": (None, None, None),
+    }
+
+
+def _qwen3_5_vision_rules(model: str, data: str) -> Rules:
+    # (in, out) kernels: fused qkv and fc1 split along their output, proj
+    # and fc2 along their input; the merger's two-layer MLP likewise.
+    tower = "qwen3_5_vision_encoder[^/]*/"
+    return {
+        tower + "patch_embed/proj/kernel": (None, None, None, None, model),
+        tower + "pos_embed/embeddings": (data, model),
+        tower + "blocks_\\d+/attn/qkv/kernel": (data, model),
+        tower + "blocks_\\d+/attn/proj/kernel": (model, data),
+        tower + "blocks_\\d+/mlp/fc1/kernel": (data, model),
+        tower + "blocks_\\d+/mlp/fc2/kernel": (model, data),
+        tower + "merger/mlp_0/kernel": (data, model),
+        tower + "merger/mlp_[1-9]\\d*/kernel": (model, data),
+    }
+
+
+def _gated_delta_net_rules(model: str, data: str) -> Rules:
+    # (hidden, 2 * key_dim + value_dim) fused q/k/v, (hidden, value_dim) z,
+    # (hidden, value_heads) a and b, (value_dim, hidden) output projection,
+    # (2 * key_dim + value_dim, kernel) depthwise conv over `in_proj_qkv`'s
+    # output channels.
+    return {
+        "transformer_layer.*linear_attn.in_proj_(qkv|z|a|b).kernel": (data, model),
+        "transformer_layer.*linear_attn.out_proj.kernel": (model, data),
+        "transformer_layer.*linear_attn.conv1d_kernel": (model, None),
+    }
+
+
+def qwen3_5_rules(model: str, data: str) -> Rules:
+    return {
+        **llama_rules(model, data),
+        **_gated_delta_net_rules(model, data),
+        **_qwen3_5_vision_rules(model, data),
+    }
+
+
+def qwen3_5_moe_rules(model: str, data: str) -> Rules:
+    # Llama's FFN keys match the shared expert's dense kernels
+    # (`sparse_moe_block/shared_expert/feedforward_*_dense/kernel`).
+    return {
+        **qwen3_5_rules(model, data),
+        "transformer_layer.*sparse_moe_block.router_gate.kernel": (model, None),
+        # (hidden, 1): replicated on purpose (an explicit entry, so that no
+        # missing-layout warning is raised for it).
+        "transformer_layer.*shared_expert_gate.kernel": (None, None),
+        **_stacked_experts(model, data),
+    }
+
+
+def mixtral_rules(model: str, data: str) -> Rules:
+    # No dense FFN: Llama's `feedforward_gate_dense` key would also match the
+    # router (`sparse_feedforward_gate_dense/kernel`), so it is left out.
+    return {
+        **llama_attention_rules(model, data),
+        "transformer_layer.*sparse_feedforward_gate_dense.kernel": (model, None),
+        **_stacked_experts(model, data),
+    }
+
+
+def gpt_oss_rules(model: str, data: str) -> Rules:
+    # gate_up_proj is (E, hidden, 2 * ffn) with gate and up interleaved.
+    return {
+        **llama_attention_rules(model, data),
+        "transformer_layer.*router.router_dense.kernel": (model, None),
+        "transformer_layer.*experts.gate_up_proj": ExpertBank(
+            (model, data, None), expert_dim=0, ffn_dim=2
+        ),
+        "transformer_layer.*experts.down_proj": ExpertBank(
+            (model, None, data), expert_dim=0, ffn_dim=1
+        ),
+        "transformer_layer.*experts.(gate_up|down)_proj_bias": (model, None),
+        # (heads, head_dim) q/k/v biases: small, replicated on purpose.
+        "transformer_layer.*self_attention.*(query|key|value).bias": (None, None),
+    }
+
+
+_FAMILY_RULES: dict[str, Callable[[str, str], Rules]] = {
+    "gemma3": gemma_rules,
+    "gemma4": gemma4_rules,
+    "qwen3": llama_rules,
+    "mistral": llama_rules,
+    "qwen3_5": qwen3_5_rules,
+    "qwen3_5_moe": qwen3_5_moe_rules,
+    "mixtral": mixtral_rules,
+    "gpt_oss": gpt_oss_rules,
+}
+
+# Added to KerasHub's own map for these families (see module doc).
+_KERAS_HUB_EXTRAS: dict[str, Callable[[str, str], Rules]] = {
+    "qwen3_moe": _stacked_experts,
+}
+
+
+def hand_written_families() -> list[str]:
+    """Families whose map comes from this module (no KerasHub map)."""
+    return sorted(_FAMILY_RULES)
+
+
+def family_rules(family: str | None, model: str, data: str) -> Rules | None:
+    """The hand-written rules of `family`, or `None` if it has none."""
+    rules = _FAMILY_RULES.get(family or "")
+    return None if rules is None else rules(model, data)
+
+
+def extra_rules(family: str | None, model: str, data: str) -> Rules:
+    """Rules added to every family's map (and to KerasHub's, where needed).
+
+    The untied output projection `(hidden, vocab)` is as large as the input
+    table; KerasHub's maps leave it replicated.
+    """
+    rules: Rules = {"token_embedding/reverse_embeddings": (data, model)}
+    extra = _KERAS_HUB_EXTRAS.get(family or "")
+    if extra is not None:
+        rules.update(extra(model, data))
+    return rules
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(2, limit + 1) if n % d == 0]
+
+
+def expert_axes(
+    path: str,
+    shape: tuple[int, ...],
+    bank: ExpertBank,
+    sizes: Mapping[str, int],
+    model: str,
+) -> Axes:
+    """The expert bank's axes with the model axis on experts or on the FFN.
+
+    Only the model axis is decided here; other axes (the data axis) are
+    checked and, if needed, moved by the generic fallback afterwards.
+
+    Raises:
+        LayoutError: the model axis divides neither the expert count nor the
+            expert-FFN width (see module doc: no silent replication).
+    """
+    parts = sizes.get(model, 1)
+    axes = list(bank.axes) + [None] * (len(shape) - len(bank.axes))
+    experts, ffn = shape[bank.expert_dim], shape[bank.ffn_dim]
+    if parts == 1 or model not in specs.entry_axes(axes[bank.expert_dim]):
+        return tuple(axes)
+    if experts % parts == 0:
+        return tuple(axes)
+    if ffn % parts == 0:
+        axes[bank.expert_dim] = None
+        axes[bank.ffn_dim] = (
+            model if axes[bank.ffn_dim] is None
+            else specs.entry_axes(axes[bank.ffn_dim]) + (model,)
+        )
+        return tuple(axes)
+    limit = max(16, 2 * parts)
+    works = sorted(set(_divisors(experts, limit)) | set(_divisors(ffn, limit)))
+    total = math.prod(sizes.values())
+    raise LayoutError(
+        f"Cannot shard expert bank '{path}' of shape {tuple(shape)}: mesh "
+        f"axis '{model}' of size {parts} divides neither its expert count "
+        f"({experts}, dimension {bank.expert_dim}) nor its expert FFN width "
+        f"({ffn}, dimension {bank.ffn_dim}). Expected a '{model}' axis size "
+        f"that divides {experts} or {ffn}, e.g. {works}. Received: mesh axis "
+        f"sizes {dict(sizes)}. Replicating the bank would put every expert "
+        "on every device, so no fallback is taken. Use a mesh whose "
+        f"'{model}' axis divides {experts} or {ffn} (with {total} devices: "
+        f"{[d for d in works if total % d == 0] or 'none'}), or pass your own "
+        "layout map."
+    )
