@@ -28,10 +28,16 @@ from keras_hub_dist import presets  # noqa: E402
 from keras_hub_dist import registry  # noqa: E402
 from keras_hub_dist.plan.abstract import abstract_backbone  # noqa: E402
 from keras_hub_dist.init.factories import gemma3_backbone  # noqa: E402
+from keras_hub_dist.init.factories import gemma4_backbone  # noqa: E402
 from keras_hub_dist.init.factories import gemma_backbone  # noqa: E402
+from keras_hub_dist.init.factories import gpt_oss_backbone  # noqa: E402
 from keras_hub_dist.init.factories import llama_backbone  # noqa: E402
 from keras_hub_dist.init.factories import mistral_backbone  # noqa: E402
+from keras_hub_dist.init.factories import mixtral_backbone  # noqa: E402
+from keras_hub_dist.init.factories import qwen3_5_backbone  # noqa: E402
+from keras_hub_dist.init.factories import qwen3_5_moe_backbone  # noqa: E402
 from keras_hub_dist.init.factories import qwen3_backbone  # noqa: E402
+from keras_hub_dist.init.factories import qwen3_moe_backbone  # noqa: E402
 from keras_hub_dist.init.factories import qwen_backbone  # noqa: E402
 from keras_hub_dist.errors import KerasHubDistWarning  # noqa: E402
 from keras_hub_dist.errors import LayoutError  # noqa: E402
@@ -87,16 +93,22 @@ __all__ = [
     "UnknownPresetError",
     "abstract_backbone",
     "gemma3_backbone",
+    "gemma4_backbone",
     "gemma_backbone",
     "get_layout_map",
+    "gpt_oss_backbone",
     "initializers",
     "llama_backbone",
     "load_sharded_preset",
     "memory",
     "mistral_backbone",
+    "mixtral_backbone",
     "plan_layout",
     "presets",
+    "qwen3_5_backbone",
+    "qwen3_5_moe_backbone",
     "qwen3_backbone",
+    "qwen3_moe_backbone",
     "qwen_backbone",
     "registry",
     "save_sharded_preset",

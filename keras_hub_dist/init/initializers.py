@@ -33,6 +33,7 @@ with distribution.scope():
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -425,6 +426,44 @@ def _twin_class(initializer: Any) -> type | None:
     return None
 
 
+_CONSTANTS = (
+    keras.initializers.Zeros, keras.initializers.Ones, keras.initializers.Constant,
+)
+
+
+def _constant_key(initializer: Any) -> tuple[type, tuple] | None:
+    """`(class, config items)` of an exact Keras constant initializer, if any.
+
+    `None` for other initializers, and for a `Constant` whose value is not a
+    hashable scalar (Keras's own path handles it).
+    """
+    if type(initializer) not in _CONSTANTS:
+        return None
+    items = tuple(sorted(initializer.get_config().items()))
+    try:
+        hash(items)
+    except TypeError:
+        return None
+    return type(initializer), items
+
+
+@functools.lru_cache(maxsize=256)
+def _constant_fill(
+    constant: tuple[type, tuple], shape: tuple[int, ...], dtype: str,
+    sharding: NamedSharding,
+):
+    """A jitted `() -> array` filling `shape` directly in `sharding`.
+
+    Each device writes only its shard: the same program Keras compiles for
+    variables over its sharding threshold, cached per shape and layout.
+    """
+    cls, items = constant
+    initializer = cls(**dict(items))
+    return jax.jit(
+        lambda: initializer(shape, dtype=dtype), out_shardings=sharding
+    )
+
+
 def initialize_variables(variables: Any, *, distribute_all: bool = False) -> None:
     """Gives pending (deferred) variables their values, each in its layout.
 
@@ -441,8 +480,13 @@ def initialize_variables(variables: Any, *, distribute_all: bool = False) -> Non
         distribute_all: Also draw every variable whose initializer is a Keras
             random initializer with a distributed twin through that twin
             (same seed, same values), so large kernels skip Keras's jitted
-            init and its ~3x temporaries too. The layers keep their stock
-            initializer attributes and configs.
+            init and its ~3x temporaries too; and fill every variable whose
+            initializer is exactly `Zeros`, `Ones` or `Constant` (a scalar)
+            straight into its layout, where Keras would create a variable
+            under its 250 MB sharding threshold whole on one device first.
+            Other initializers (custom ones, `Orthogonal`, ...) go through
+            Keras's deferred path. The layers keep their stock initializer
+            attributes and configs.
 
     Raises:
         Whatever the initializer raises, with the variable path added as a
@@ -455,12 +499,28 @@ def initialize_variables(variables: Any, *, distribute_all: bool = False) -> Non
         initializer = _compat.pending_initializer(variable)
         if distribute_all and _twin_class(initializer) is not None:
             initializer = distributed_like(initializer, path=variable.path)
-        if not isinstance(initializer, _Distributed) or distribution is None:
+        constant = None
+        if distribute_all and distribution is not None:
+            constant = _constant_key(initializer)
+        if distribution is None or (
+            constant is None and not isinstance(initializer, _Distributed)
+        ):
             _compat.initialize_pending([variable])
             continue
         try:
             layout = distribution.get_variable_layout(variable)
-            value = initializer(variable.shape, dtype=variable.dtype, layout=layout)
+            if constant is not None:
+                mesh, spec = _Distributed._layout_from_argument(layout, distribution)
+                fill = _constant_fill(
+                    constant, tuple(int(d) for d in variable.shape),
+                    keras.backend.standardize_dtype(variable.dtype),
+                    NamedSharding(mesh, spec),
+                )
+                value = fill()
+            else:
+                value = initializer(
+                    variable.shape, dtype=variable.dtype, layout=layout
+                )
             _compat.materialize_deferred_variable(variable, value, layout)
         except Exception as error:
             error.add_note(

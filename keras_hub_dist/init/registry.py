@@ -48,11 +48,15 @@ DEFAULT_FAMILY = "default"
 # Every KerasHub decoder LLM names its `ReversibleEmbedding` "token_embedding"
 # at the top of the backbone, so the variable path is the same across families;
 # the entries still exist per family so one can be moved without the others.
+# (Gemma 4's second token-indexed table, `per_layer_token_embedding/embeddings`,
+# is not a family's token table: the factory gives its twin that exact path.)
 _BUILTIN: dict[str, str] = {
     DEFAULT_FAMILY: "token_embedding/embeddings",
     "gemma": "token_embedding/embeddings",
     "gemma2": "token_embedding/embeddings",
     "gemma3": "token_embedding/embeddings",
+    "gemma4": "token_embedding/embeddings",
+    "gpt_oss": "token_embedding/embeddings",
     "llama": "token_embedding/embeddings",
     "llama3": "token_embedding/embeddings",
     "mistral": "token_embedding/embeddings",
@@ -61,6 +65,8 @@ _BUILTIN: dict[str, str] = {
     "qwen3": "token_embedding/embeddings",
     "qwen_moe": "token_embedding/embeddings",
     "qwen3_moe": "token_embedding/embeddings",
+    "qwen3_5": "token_embedding/embeddings",
+    "qwen3_5_moe": "token_embedding/embeddings",
     "phi3": "token_embedding/embeddings",
 }
 

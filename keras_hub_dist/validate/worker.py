@@ -28,6 +28,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import gc  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -208,7 +209,9 @@ def _ours_init(cls: type, config: dict[str, Any]) -> Any:
             f"Expected one of {sorted(supported_class_names())}. Received: "
             f"{cls.__name__}."
         )
-    return factory(serialized_config(cls, config))
+    # The stock build keeps a multimodal config's encoders; so must ours.
+    text_only = {"text_only": False} if "text_only" in inspect.signature(factory).parameters else {}
+    return factory(serialized_config(cls, config), **text_only)
 
 
 def _ours_load(preset_dir: str, mesh: Any, layout_map: Any, dtype: str | None) -> Any:
