@@ -35,6 +35,8 @@ Configs:
   default 20 GB for this config), watched from the parent every 5 ms, so it
   cannot take the shared machine down; if it crosses the cap it is stopped and
   reported as such.
+- `mixtral2`: the `mixtral_8_7b_en` architecture (MoE: 8 experts per block)
+  with 2 of its 32 blocks, bfloat16 (5.9 GB); stock under the same cap.
 
 The preset is a synthetic one (random weights) written by
 `keras_hub_dist.write_synthetic_preset`, streaming, under `--workdir`; it is
@@ -46,6 +48,7 @@ Usage (heavy: run under the machine's heavy-job lock):
     python benchmarks/bench_load.py --config full7b --write_only --keep
     flock /tmp/khd-heavy.lock python benchmarks/bench_load.py --config full7b --keep
     python benchmarks/bench_load.py --config width1 --format huggingface
+    flock /tmp/khd-heavy.lock python benchmarks/bench_load.py --config mixtral2
 """
 
 from __future__ import annotations
@@ -67,6 +70,10 @@ CONFIGS = {
         overrides=dict(num_layers=1, intermediate_dim=24576),
     ),
     "full7b": dict(architecture="gemma_7b_en", dtype="bfloat16", overrides={}),
+    # Mixtral 8x7B's shape (8 experts of 4096 x 14336, 32 query / 8 KV heads,
+    # vocab 32000) with 2 of its 32 blocks, bfloat16: 5.9 GB, so stock fits
+    # beside it on this 24 GB host.
+    "mixtral2": dict(architecture="mixtral_8_7b_en", dtype="bfloat16", overrides=dict(num_layers=2)),
 }
 RESULT_TAG = "RESULT "
 
@@ -460,7 +467,7 @@ def main() -> None:
     suffix = f"_L{args.num_layers}" if args.num_layers else ""
     fmt = "_hf" if args.format == "huggingface" else ""
     args.preset = os.path.join(args.workdir, f"bench_load_{args.config}{suffix}{fmt}")
-    if args.config == "full7b":
+    if args.config in ("full7b", "mixtral2"):
         args.stock_cap_gb = args.stock_cap_gb or 20.0
         if args.cases == parser.get_default("cases"):
             args.cases = "floor_thp,ours,floor_thp,ours_mem,stock_mem"
