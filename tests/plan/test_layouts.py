@@ -25,8 +25,20 @@ def _quiet_map(*args, **kwargs):
         return keras_hub_dist.get_layout_map(*args, **kwargs)
 
 
+# This year's MoE / hybrid families are checked per distinct config, with
+# their own balance bound, in test_layouts_new_models.py.
+_OWN_TESTS = (
+    "Gemma4Backbone", "Qwen3_5Backbone", "Qwen3_5MoeBackbone", "Qwen3MoeBackbone",
+    "MixtralBackbone", "GptOssBackbone",
+)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("name", presets.names())
+@pytest.mark.parametrize(
+    "name",
+    [n for n in presets.names()
+     if presets.resolve(n).config_json()["class_name"] not in _OWN_TESTS],
+)
 def test_every_map_is_valid_for_every_named_architecture(name, batch):
     """Model axes 1..16, from shapes alone: every variable's layout divides."""
     specs = variable_specs(name)
