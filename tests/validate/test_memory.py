@@ -1,5 +1,6 @@
 """Tests of the per-device memory accounting (keras_hub_dist.memory)."""
 
+import gc
 import time
 
 import jax
@@ -12,6 +13,14 @@ from keras_hub_dist.validate import memory
 from conftest import MESH_SHAPES
 
 MIB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def _no_garbage_from_earlier_tests():
+    """The sampler tests assert exact byte deltas: arrays of models that
+    earlier tests left to the cycle collector must not be freed mid-test."""
+    gc.collect()
+    yield
 
 
 def _mesh(shape):
