@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from keras_hub_dist.formats.base import ByteRuns
 
 __all__ = [
+    "FileDescriptors",
     "IOV_MAX",
     "MAX_READ",
     "aligned_empty",
@@ -43,6 +44,26 @@ IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024
 # Buffers from this size on get their own huge-page-backed anonymous mapping.
 _HUGE_PAGE_MIN_BYTES = 4 << 20
 _HAS_MADVISE_HUGEPAGE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
+
+
+class FileDescriptors:
+    """Open file descriptors, one per path, opened with `flags` on first use
+    (`os.O_RDONLY` to read a checkpoint; `os.O_WRONLY` to fill a file whose
+    datasets already exist, hence no `O_CREAT` / `O_TRUNC`)."""
+
+    def __init__(self, flags: int = os.O_RDONLY) -> None:
+        self._flags = flags
+        self._fds: dict[str, int] = {}
+
+    def __call__(self, path: str) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, self._flags)
+        return self._fds[path]
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:

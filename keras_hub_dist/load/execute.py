@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -70,23 +69,6 @@ class ExecuteStats:
             self.read_calls += calls
 
 
-class _FileDescriptors:
-    """Open file descriptors of the checkpoint files, one per file."""
-
-    def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
-
-    def __call__(self, path: str) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
 def _cast(host: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if host.dtype == dtype:
         return host
@@ -105,13 +87,13 @@ def _cut(whole: np.ndarray, box: Index, index: Index, dtype: np.dtype) -> np.nda
     return out
 
 
-def _read_direct(fds: _FileDescriptors, var: VariablePlan, block: Block, stats: ExecuteStats) -> np.ndarray:
+def _read_direct(fds: host_io.FileDescriptors, var: VariablePlan, block: Block, stats: ExecuteStats) -> np.ndarray:
     host = aligned_empty(block.read_shape, var.source_dtype)
     read_runs(fds(var.read_source.stored.file), block.runs, host, stats.add_read)
     return _cast(host, var.target_dtype)
 
 
-def _read_source(fds: _FileDescriptors, var: VariablePlan, block: Block, stats: ExecuteStats) -> np.ndarray:
+def _read_source(fds: host_io.FileDescriptors, var: VariablePlan, block: Block, stats: ExecuteStats) -> np.ndarray:
     source, index = var.read_source, block.read_index or block.index
     host = source.read(index)
     if host.shape != block.read_shape or host.dtype != var.source_dtype:
@@ -139,7 +121,7 @@ def _input_sharding(sharding: jax.sharding.Sharding, perm: tuple[int, ...]) -> j
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*moved))
 
 
-def _read_scatter(fds: _FileDescriptors, var: VariablePlan, stats: ExecuteStats) -> Iterator[tuple[Block, np.ndarray]]:
+def _read_scatter(fds: host_io.FileDescriptors, var: VariablePlan, stats: ExecuteStats) -> Iterator[tuple[Block, np.ndarray]]:
     """Reads each contiguous stretch of the file with one `preadv` whose iovecs
     point into the blocks' buffers; yields blocks as they complete."""
     fd = fds(var.read_source.stored.file)
@@ -172,7 +154,7 @@ def _read_scatter(fds: _FileDescriptors, var: VariablePlan, stats: ExecuteStats)
 
 
 def _host_blocks(
-    fds: _FileDescriptors,
+    fds: host_io.FileDescriptors,
     var: VariablePlan,
     stats: ExecuteStats,
     pool: ThreadPoolExecutor | None,
@@ -240,7 +222,7 @@ def execute_plan(
             so a failed load leaves no device memory behind.
     """
     stats = ExecuteStats()
-    fds = _FileDescriptors()
+    fds = host_io.FileDescriptors()
     created: list[jax.Array] = []
     pending: list[jax.Array] = []
     pending_bytes = 0

@@ -61,7 +61,7 @@ import numpy as np
 from keras_hub_dist import _compat, _processes
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.errors import PresetError, SaveError
-from keras_hub_dist.formats import checksums, keras_h5
+from keras_hub_dist.formats import checksums, host_io, keras_h5
 from keras_hub_dist.formats.base import Index
 from keras_hub_dist.formats.keras_h5_writer import (
     DatasetLayout,
@@ -69,7 +69,7 @@ from keras_hub_dist.formats.keras_h5_writer import (
     create_weights_files,
     weights_layout,
 )
-from keras_hub_dist.save.write_execute import WeightFiles, WriteStats, write_value
+from keras_hub_dist.save.write_execute import WriteStats, write_value
 from keras_hub_dist.save.write_plan import SavePlan, SaveRequest, plan_save
 
 __all__ = ["save_sharded_preset"]
@@ -365,7 +365,8 @@ def _write(sets: list[_WeightSet], plans: list[SavePlan], progress: bool | None,
     kernel is computed by all processes together, so every process must
     reach every value.
     """
-    files = WeightFiles()
+    # No O_CREAT / O_TRUNC: the files and their datasets exist already.
+    files = host_io.FileDescriptors(os.O_WRONLY)
     stats = WriteStats()
     on_cpu = all(d.platform == "cpu" for d in jax.local_devices())
     bar = byte_progress(sum(p.nbytes for p in plans), f"Saving {base}", progress)

@@ -20,7 +20,6 @@ No device computes anything and no value is gathered.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from keras_hub_dist.formats import host_io
 from keras_hub_dist.formats.base import ByteRuns
 from keras_hub_dist.save.write_plan import BlockWrite, ValueWrite
 
-__all__ = ["WriteStats", "WeightFiles", "write_value"]
+__all__ = ["WriteStats", "write_value"]
 
 # Runs at least this long are written one `pwritev` each; shorter ones are
 # merged across blocks (as `load.block_plan.DIRECT_MIN_RUN_BYTES` for reads).
@@ -48,24 +47,6 @@ class WriteStats:
     bytes_written: int = 0
     write_calls: int = 0
     blocks: int = 0
-
-
-class WeightFiles:
-    """Open descriptors of the (already created) weights files, for writing."""
-
-    def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
-
-    def __call__(self, path: str) -> int:
-        if path not in self._fds:
-            # No O_CREAT / O_TRUNC: the file and its datasets exist already.
-            self._fds[path] = os.open(path, os.O_WRONLY)
-        return self._fds[path]
-
-    def close(self) -> None:
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
 
 
 def _strategy(blocks: tuple[BlockWrite, ...], on_cpu: bool) -> str:
@@ -110,7 +91,7 @@ def _check(plan: ValueWrite, values: np.ndarray, block: BlockWrite) -> np.ndarra
 
 
 def write_value(
-    plan: ValueWrite, value: Any, files: WeightFiles, stats: WriteStats, *, on_cpu: bool
+    plan: ValueWrite, value: Any, files: host_io.FileDescriptors, stats: WriteStats, *, on_cpu: bool
 ) -> None:
     """Writes this process's blocks of one saved value.
 
