@@ -362,6 +362,14 @@ class MemorySampler:
 
     def sample(self) -> dict[int, int]:
         """Takes one sample now and returns it (bytes per device id)."""
+        # A window counts with every live snapshot that begins while it is
+        # open, and with the first that begins after it closed: that one holds
+        # the program's outputs. (Reading the windows only after the walk, which
+        # can take a while, would pair a temp with a snapshot from before the
+        # program's outputs existed.)
+        with self._lock:
+            opened = list(self._windows)
+            closed = {id(w) for w in opened if w.done()}
         live = live_bytes_per_device(devices=self.devices)
         live = {d: live.get(d, 0) for d in self.device_ids}
         now = time.perf_counter() - self._t0
@@ -371,14 +379,12 @@ class MemorySampler:
                 point = self._stats_bytes()
             else:
                 point = live
-            # Every window open since the last sample counts once, even if
-            # its program finished in between.
             running = dict.fromkeys(self.device_ids, 0)
-            for window in self._windows:
+            for window in opened:
                 for d in window.devices:
                     if d in running:
                         running[d] += window.temp
-            self._windows = [w for w in self._windows if not w.done()]
+            self._windows = [w for w in self._windows if id(w) not in closed]
             for d, b in live.items():
                 if b > self.live_peak_per_device[d]:
                     self.live_peak_per_device[d] = b

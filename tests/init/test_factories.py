@@ -1,5 +1,6 @@
 """Backbone factories: real KerasHub classes, sharded embedding, no side effects."""
 
+import functools
 import random
 import warnings
 
@@ -80,17 +81,13 @@ def _forward(model):
     return np.asarray(call(trainable, non_trainable, INPUTS))
 
 
-_REFERENCES = {}
-
-
+@functools.cache
 def _reference(family):
     """The unsharded factory model, its outputs and the random state after it."""
-    if family not in _REFERENCES:
-        assert keras.distribution.distribution() is None
-        model = _build(family)
-        state = random.getstate()
-        _REFERENCES[family] = (model, state, _forward(model))
-    return _REFERENCES[family]
+    assert keras.distribution.distribution() is None
+    model = _build(family)
+    state = random.getstate()
+    return model, state, _forward(model)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

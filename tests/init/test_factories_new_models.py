@@ -168,18 +168,14 @@ def _layout_map(family, mesh):
         return keras_hub_dist.plan_layout(abstract.model, mesh)
 
 
-_UNSHARDED = {}
-
-
+@functools.cache
 def _unsharded(family):
     """The factory model without a distribution, and the random state after."""
-    if family not in _UNSHARDED:
-        assert keras.distribution.distribution() is None
-        keras.backend.clear_session()
-        keras.utils.set_random_seed(0)
-        model = FAMILIES[family].factory(dict(FAMILIES[family].config))
-        _UNSHARDED[family] = (model, random.getstate(), _values(model))
-    return _UNSHARDED[family]
+    assert keras.distribution.distribution() is None
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    model = FAMILIES[family].factory(dict(FAMILIES[family].config))
+    return model, random.getstate(), _values(model)
 
 
 @dataclasses.dataclass
@@ -192,14 +188,9 @@ class ShardedBuild:
     drawn: list  # every path a distributed initializer drew, in order
 
 
-_SHARDED = {}
-
-
+@functools.cache
 def _sharded(family, mesh_shape):
     """The factory model under `ModelParallel` on `mesh_shape`, measured."""
-    key = (family, mesh_shape)
-    if key in _SHARDED:
-        return _SHARDED[key]
     spec = FAMILIES[family]
     mesh = keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), jax.devices())
     layout_map = _layout_map(family, mesh)
@@ -227,8 +218,7 @@ def _sharded(family, mesh_shape):
             with MemorySampler(interval_s=0.001) as sampler:
                 model = spec.factory(dict(spec.config))
                 jax.block_until_ready([v.value for v in model.weights])
-    _SHARDED[key] = ShardedBuild(model, layout_map, mesh, sampler, born, drawn)
-    return _SHARDED[key]
+    return ShardedBuild(model, layout_map, mesh, sampler, born, drawn)
 
 
 # --- unsharded: the stock model, bitwise ------------------------------------
