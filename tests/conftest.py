@@ -1,8 +1,10 @@
 """Test setup: 8 simulated CPU devices and the JAX backend, before any import."""
 
 import contextlib
+import functools
 import gc
 import os
+import re
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -16,6 +18,12 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 MESH_SHAPES = [(1, 8), (2, 4), (8, 1)]
+# The expert banks of the MoE families (Mixtral / Qwen3-MoE / Qwen 3.5 MoE,
+# gpt-oss, Gemma 4 MoE): never to be replicated whole.
+EXPERT_BANK = re.compile(
+    r".*(experts/(expert_feedforward_\w+_dense|gate_up_proj|down_proj)"
+    r"|moe_expert_bank/(gate|up|down)_proj)"
+)
 
 
 def pytest_configure(config):
@@ -23,6 +31,14 @@ def pytest_configure(config):
         "tests need 8 simulated CPU devices; XLA_FLAGS was set too late: "
         f"{jax.devices()}"
     )
+
+
+def pytest_collection_finish(session):
+    # Everything imported so far (Keras, TensorFlow, JAX, the test modules)
+    # lives for the whole session: freezing it keeps each `gc.collect()` of
+    # the tests (a few hundred) from walking it again (~0.35 s each).
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +63,24 @@ def _release_module_caches(request):
         ):
             value.cache_clear()
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def short_delta_chunks():
+    """Qwen 3.5's chunked Gated DeltaNet unrolls a Python loop over a 64-token
+    chunk; 2-token chunks compute the same result (the chunked form is exact
+    for any chunk size), stock and ours alike, with a far smaller graph to
+    compile. Module-scoped, for module-scoped fixtures that run models:
+    `pytestmark = pytest.mark.usefixtures("short_delta_chunks")`."""
+    from keras_hub.src.models.qwen3_5 import qwen3_5_gated_delta_net as module
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            module,
+            "_chunk_gated_delta_rule",
+            functools.partial(module._chunk_gated_delta_rule, chunk_size=2),
+        )
+        yield
 
 
 def make_model_parallel(mesh_shape, layout_entries=None):

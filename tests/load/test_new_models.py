@@ -5,14 +5,19 @@ sharded equals unsharded."""
 
 import warnings
 
+import jax
 import keras
 import keras_hub
 import numpy as np
 import pytest
 
+import keras_hub_dist
 from keras_hub_dist import load_sharded_preset, write_synthetic_preset
 from keras_hub_dist.formats import huggingface
+from conftest import EXPERT_BANK
 from tests.formats.hf import dense, moe, recent
+
+pytestmark = pytest.mark.usefixtures("short_delta_chunks")
 
 # (fixture module, case): the tiny configs of the Hugging Face tests,
 # converted to KerasHub configs by KerasHub's own converters.
@@ -26,6 +31,7 @@ FAMILIES = {
     "gpt_oss": (moe, "gpt_oss"),
     "llama3": (dense, "llama"),
 }
+MOE = {"gemma4_moe", "qwen3_5_moe", "qwen3_moe", "mixtral", "gpt_oss"}
 VOCAB = 512
 PROMPTS = ["the quick brown fox", "w1 w2 w3", "over the lazy dog", "a"]
 
@@ -69,8 +75,6 @@ def _inputs(backbone):
 
 def _forward(backbone):
     """One jitted forward pass (eager Gated DeltaNet runs op by op: minutes)."""
-    import jax
-
     forward = jax.jit(lambda t, n, x: backbone.stateless_call(t, n, x)[0])
     return np.asarray(forward(
         [v.value for v in backbone.trainable_variables],
@@ -98,6 +102,21 @@ def test_loads_sharded_equal_to_stock(family, mesh_shape, tiny_presets, stock_ou
         warnings.simplefilter("ignore")  # tiny head counts fall back on 8 devices
         backbone = load_sharded_preset(tiny_presets[family], mesh=mesh_shape, progress=False)
     stock_weights, stock_output = stock_outputs[family]
+    # Each variable is laid out as the family's map says; expert banks are
+    # split over the model axis, never replicated.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", keras_hub_dist.LayoutFallbackWarning)
+        layout_map = keras_hub_dist.get_layout_map(backbone, keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), jax.devices()))
+    for variable in backbone.weights:
+        layout = layout_map[variable.path]
+        axes = tuple(layout.axes) if layout is not None else ()
+        spec = tuple(variable.value.sharding.spec)
+        pad = (None,) * len(variable.shape)
+        assert (spec + pad)[: len(pad)] == (axes + pad)[: len(pad)], variable.path
+    banks = [v for v in backbone.weights if EXPERT_BANK.fullmatch(v.path)]
+    assert bool(banks) == (family in MOE), family
+    for variable in banks:
+        assert "model" in tuple(variable.value.sharding.spec), variable.path
     # Same order (paths may differ by Keras's per-process layer-name counters).
     for ours, theirs in zip(backbone.weights, stock_weights, strict=True):
         np.testing.assert_array_equal(np.asarray(ours.value), theirs)

@@ -3,8 +3,9 @@
 Every named preset of these families (one per distinct configuration, with
 its vision / audio towers where the preset has them) is built abstractly, no
 weight allocated, and checked on (1, n) and (n, 1) meshes. Tiny instances
-check the expert-bank errors and that a forward pass sharded with the map
-equals the unsharded one.
+check the expert-bank errors and, where the experts are split along their FFN
+width, that a forward pass sharded with the map equals the unsharded one
+(tests/load/test_new_models.py loads every family sharded with its map).
 """
 
 import functools
@@ -26,13 +27,10 @@ from keras_hub_dist.plan import specs as spec_lib
 from keras_hub_dist.plan.abstract import build_without_values
 from keras_hub_dist.plan.abstract import per_device_bytes
 from keras_hub_dist.plan.mesh import abstract_device_mesh
+from conftest import EXPERT_BANK
 
 DEVICES = [1, 2, 4, 8, 16]
 FAMILIES = {"gemma4", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "mixtral", "gpt_oss"}
-EXPERT_BANK = re.compile(
-    r".*(experts/(expert_feedforward_\w+_dense|gate_up_proj|down_proj)"
-    r"|moe_expert_bank/(gate|up|down)_proj)"
-)
 
 
 def _distinct_presets():
@@ -276,29 +274,13 @@ def _forward(model, inputs):
     return np.asarray(call(trainable, non_trainable, inputs))
 
 
-@pytest.fixture
-def short_delta_chunks(monkeypatch):
-    """Qwen 3.5's chunked Gated DeltaNet unrolls a Python loop over its
-    64-token chunk; 2-token chunks compute the same result (the chunked form
-    is exact for any chunk size) with a far smaller graph to compile."""
-    from keras_hub.src.models.qwen3_5 import qwen3_5_gated_delta_net as module
-
-    monkeypatch.setattr(
-        module, "_chunk_gated_delta_rule",
-        functools.partial(module._chunk_gated_delta_rule, chunk_size=2),
-    )
-
-
-@pytest.mark.parametrize(
-    "family",
-    ["gemma4", "gemma4_moe", "qwen3_5", "qwen3_5_moe", "qwen3_moe",
-     "mixtral", "gpt_oss"],
-)
-def test_sharded_forward_equals_unsharded(family, short_delta_chunks):
-    """On (2, 4) and (1, 8), float32: the map's layouts are the variables'
-    shardings and the forward pass equals the unsharded one."""
-    # Mixtral with 4 experts: the (1, 8) mesh splits them along their FFN.
-    cls, config = _tiny(family, experts=4 if family == "mixtral" else 8)
+def test_expert_ffn_split_forward_equals_unsharded():
+    """Mixtral with 4 experts on (1, 8): the expert banks are split along
+    their FFN width (and on (2, 4) along the experts); the map's layouts are
+    the variables' shardings and the forward pass equals the unsharded one.
+    Every family's maps with experts split over the expert axis are checked
+    the same way by loading tiny presets (tests/load/test_new_models.py)."""
+    cls, config = _tiny("mixtral", experts=4)
     # Each build starts a session: the same auto-generated layer names, so
     # the exact-path fallbacks computed on `reference` match `sharded`.
     keras.backend.clear_session()
