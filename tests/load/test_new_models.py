@@ -106,7 +106,8 @@ def test_loads_sharded_equal_to_stock(family, mesh_shape, tiny_presets, stock_ou
     # split over the model axis, never replicated.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", keras_hub_dist.LayoutFallbackWarning)
-        layout_map = keras_hub_dist.get_layout_map(backbone, keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), jax.devices()))
+        mesh = keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), jax.devices())
+        layout_map = keras_hub_dist.get_layout_map(backbone, mesh)
     for variable in backbone.weights:
         layout = layout_map[variable.path]
         axes = tuple(layout.axes) if layout is not None else ()
