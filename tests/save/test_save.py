@@ -19,6 +19,7 @@ from keras_hub_dist import PresetError, SaveError, load_sharded_preset, save_sha
 from keras_hub_dist import write_synthetic_preset
 from keras_hub_dist.formats import checksums, keras_h5
 from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.save import saver
 from keras_hub_dist.validate import memory
 
 SMALL = dict(
@@ -91,9 +92,22 @@ def _assert_same_preset(ours, stock, weights_name=None):
             assert values_a.shape == values_b.shape and values_a.tobytes() == values_b.tobytes(), name
 
 
-def _save_with_sampler(model, path, **kwargs):
-    """Saves; returns (max over devices of peak / before, max added bytes)."""
+def _save_with_sampler(model, path, monkeypatch=None, **kwargs):
+    """Saves; returns (max over devices of peak / before, max added bytes).
+
+    With `monkeypatch`, one sample is also taken as each value is written:
+    a value that lives only while it is written (a merged LoRA kernel) is
+    then seen however busy the machine is, not only when the background
+    thread happens to sample in that moment."""
     with memory.MemorySampler() as sampler:
+        if monkeypatch is not None:
+            write_value = saver.write_value
+
+            def sampled_write_value(*args, **kw):
+                sampler.sample()
+                return write_value(*args, **kw)
+
+            monkeypatch.setattr(saver, "write_value", sampled_write_value)
         save_sharded_preset(model, path, **kwargs)
     devices = [d for d in sampler.start_per_device if sampler.start_per_device[d]]
     ratio = max(sampler.peak_per_device[d] / sampler.start_per_device[d] for d in devices)
@@ -163,13 +177,13 @@ def test_multi_file_weights_as_keras_shards_them(presets, tmp_path):
                                              progress=False))
 
 
-def test_lora_saves_merged_kernels_like_stock(presets, tmp_path):
+def test_lora_saves_merged_kernels_like_stock(presets, tmp_path, monkeypatch):
     model = load_sharded_preset(presets["llama"], mesh=(1, 8), progress=False)
     model.enable_lora(rank=2)
     rng = np.random.default_rng(0)
     for variable in model.trainable_variables:  # the LoRA factors
         variable.assign(rng.standard_normal(variable.shape).astype("float32") * 0.1)
-    _, added = _save_with_sampler(model, str(tmp_path / "ours"))
+    _, added = _save_with_sampler(model, str(tmp_path / "ours"), monkeypatch)
     model.save_to_preset(str(tmp_path / "stock"))
     _assert_same_preset(str(tmp_path / "ours"), str(tmp_path / "stock"))
     # Keras computes a merged kernel replicated (its LoRA factors are); it
