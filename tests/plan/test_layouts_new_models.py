@@ -278,8 +278,8 @@ def test_expert_ffn_split_forward_equals_unsharded():
     """Mixtral with 4 experts on (1, 8): the expert banks are split along
     their FFN width (and on (2, 4) along the experts); the map's layouts are
     the variables' shardings and the forward pass equals the unsharded one.
-    Every family's maps with experts split over the expert axis are checked
-    the same way by loading tiny presets (tests/load/test_new_models.py)."""
+    Every family's map (experts split over the expert axis) is checked the
+    same way by loading tiny presets (tests/load/test_new_models.py)."""
     cls, config = _tiny("mixtral", experts=4)
     # Each build starts a session: the same auto-generated layer names, so
     # the exact-path fallbacks computed on `reference` match `sharded`.
