@@ -83,6 +83,30 @@ def short_delta_chunks():
         yield
 
 
+def layout_sharding(mesh, axes, rank):
+    """The `NamedSharding` a variable of `rank` with layout `axes` must have
+    on the Keras `DeviceMesh` `mesh` (trailing `None`s dropped)."""
+    entries = list(axes) + [None] * (rank - len(axes))
+    while entries and entries[-1] is None:
+        entries.pop()
+    return jax.sharding.NamedSharding(
+        mesh.backend_mesh, jax.sharding.PartitionSpec(*entries)
+    )
+
+
+def assert_laid_out_as(variables, layout_map, mesh):
+    """Every variable's array has the sharding its `layout_map` entry says
+    (replicated where the map has none)."""
+    for variable in variables:
+        layout = layout_map[variable.path]
+        axes = tuple(layout.axes) if layout is not None else ()
+        rank = len(variable.shape)
+        expected = layout_sharding(mesh, axes, rank)
+        assert variable.value.sharding.is_equivalent_to(expected, rank), (
+            variable.path, variable.value.sharding, expected,
+        )
+
+
 def make_model_parallel(mesh_shape, layout_entries=None):
     """A `ModelParallel` over (batch, model) with the given layout entries."""
     mesh = keras.distribution.DeviceMesh(

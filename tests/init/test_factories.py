@@ -9,7 +9,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
+from conftest import assert_laid_out_as, layout_sharding
 
 import keras_hub_dist
 from keras_hub_dist import _compat
@@ -57,14 +57,6 @@ INPUTS = {
     "token_ids": (np.arange(16, dtype="int32").reshape(2, 8) * 7) % 128,
     "padding_mask": np.array([[1] * 8, [1] * 6 + [0] * 2], dtype="int32"),
 }
-
-
-def _spec(axes, rank):
-    """A PartitionSpec with trailing Nones dropped, for comparison."""
-    entries = list(axes) + [None] * (rank - len(axes))
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
 
 
 def _build(family, seed=0, **extra):
@@ -153,14 +145,7 @@ def test_sharded_build_matches_layouts_and_unsharded_outputs(
         outputs = _forward(model)
     monkeypatch.undo()
 
-    for variable in model.weights:
-        layout = layout_map[variable.path]
-        axes = tuple(layout.axes) if layout is not None else ()
-        rank = len(variable.shape)
-        expected = jax.sharding.NamedSharding(mesh.backend_mesh, _spec(axes, rank))
-        assert variable.value.sharding.is_equivalent_to(expected, rank), (
-            variable.path, variable.value.sharding, expected,
-        )
+    assert_laid_out_as(model.weights, layout_map, mesh)
     embedding = model.token_embedding.embeddings
     emb_axes = tuple(layout_map[embedding.path].axes)
     block = spec_lib.shard_shape(embedding.shape, emb_axes, mesh)
@@ -169,7 +154,7 @@ def test_sharded_build_matches_layouts_and_unsharded_outputs(
     assert len(born_by_path) == len(created)  # each variable drawn once
     born = born_by_path[embedding.path]
     assert born.sharding.is_equivalent_to(
-        jax.sharding.NamedSharding(mesh.backend_mesh, _spec(emb_axes, 2)), 2
+        layout_sharding(mesh, emb_axes, 2), 2
     )
     assert {tuple(s.data.shape) for s in born.addressable_shards} == {block}
     assert len(born.addressable_shards) == 8

@@ -22,6 +22,7 @@ import keras_hub
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
+from conftest import assert_laid_out_as, layout_sharding
 
 import keras_hub_dist
 from keras_hub_dist import _compat
@@ -126,14 +127,6 @@ EMBEDDING = "token_embedding/embeddings"
 CONSTANT_INITIALIZERS = (
     keras.initializers.Zeros, keras.initializers.Ones, keras.initializers.Constant,
 )
-
-
-def _spec(axes, rank):
-    """A PartitionSpec with trailing Nones dropped, for comparison."""
-    entries = list(axes) + [None] * (rank - len(axes))
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
 
 
 def _values(model):
@@ -282,14 +275,7 @@ def test_sharded_build_memory_layouts_and_values(family, mesh_shape):
         assert live <= final[d] - start[d], (d, live, final[d] - start[d])
 
     # Every variable ends in its layout map's sharding.
-    for variable in model.weights:
-        layout = layout_map[variable.path]
-        axes = tuple(layout.axes) if layout is not None else ()
-        rank = len(variable.shape)
-        expected = jax.sharding.NamedSharding(mesh.backend_mesh, _spec(axes, rank))
-        assert variable.value.sharding.is_equivalent_to(expected, rank), (
-            variable.path, variable.value.sharding, expected,
-        )
+    assert_laid_out_as(model.weights, layout_map, mesh)
 
     # The token table (and Gemma 4's per-layer table) were born sharded over
     # the model axis (the token table on its vocabulary), each device holding
@@ -306,7 +292,7 @@ def test_sharded_build_memory_layouts_and_values(family, mesh_shape):
         assert np.prod(block) * mesh_shape[1] <= np.prod(variable.shape)
         born = build.born[path]
         assert born.sharding.is_equivalent_to(
-            jax.sharding.NamedSharding(mesh.backend_mesh, _spec(axes, 2)), 2
+            layout_sharding(mesh, axes, 2), 2
         )
         assert {tuple(s.data.shape) for s in born.addressable_shards} == {block}
         assert len(born.addressable_shards) == 8

@@ -14,7 +14,7 @@ import pytest
 import keras_hub_dist
 from keras_hub_dist import load_sharded_preset, write_synthetic_preset
 from keras_hub_dist.formats import huggingface
-from conftest import EXPERT_BANK
+from conftest import EXPERT_BANK, assert_laid_out_as
 from tests.formats.hf import dense, moe, recent
 
 pytestmark = pytest.mark.usefixtures("short_delta_chunks")
@@ -108,12 +108,7 @@ def test_loads_sharded_equal_to_stock(family, mesh_shape, tiny_presets, stock_ou
         warnings.simplefilter("ignore", keras_hub_dist.LayoutFallbackWarning)
         mesh = keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), jax.devices())
         layout_map = keras_hub_dist.get_layout_map(backbone, mesh)
-    for variable in backbone.weights:
-        layout = layout_map[variable.path]
-        axes = tuple(layout.axes) if layout is not None else ()
-        spec = tuple(variable.value.sharding.spec)
-        pad = (None,) * len(variable.shape)
-        assert (spec + pad)[: len(pad)] == (axes + pad)[: len(pad)], variable.path
+    assert_laid_out_as(backbone.weights, layout_map, mesh)
     banks = [v for v in backbone.weights if EXPERT_BANK.fullmatch(v.path)]
     assert bool(banks) == (family in MOE), family
     for variable in banks:
