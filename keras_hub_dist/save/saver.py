@@ -105,9 +105,11 @@ def save_sharded_preset(
     `model.weights.json` + `model_NNNNN.weights.h5` over `max_shard_size`
     GB), and for a task task.json and its preprocessor's files. Stock
     `from_preset` and `load_sharded_preset` (on any mesh) load it. A
-    LoRA-enabled model saves its merged kernels, as `save_to_preset` does;
-    Keras computes each merge with replicated LoRA factors, so every device
-    holds one whole merged kernel while it is written (one at a time).
+    LoRA-enabled model saves its merged kernels, as `save_to_preset` does.
+    Keras computes each merge eagerly from replicated LoRA factors: the
+    product `lora_a @ lora_b` and its scaled copy are whole on every device
+    for a moment (two kernel-sized buffers, one layer at a time); the merged
+    kernel it writes is in the kernel's own sharding.
 
     Every process of a `jax.distributed` job calls it with the same
     arguments, on a filesystem they share. Each process writes only the

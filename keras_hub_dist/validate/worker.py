@@ -270,6 +270,7 @@ def _measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     import jax
 
     from keras_hub_dist.validate import memory
+    from keras_hub_dist.validate.event_samples import sampling_after_calls
 
     case, phase = spec["case"], spec["phase"]
     dtype = spec.get("dtype")
@@ -295,7 +296,10 @@ def _measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     sampler = memory.MemorySampler(
         interval_s=float(spec.get("interval_s", 0.002)), devices=devices
     )
-    with sampler:
+    # Stock makes tensors whole on one device and then `jax.device_put`s
+    # them into their layout; ours places blocks with it too. A sample at
+    # each call sees those moments however busy the machine is.
+    with sampler, sampling_after_calls(sampler, jax, "device_put"):
         if case == "ours" and phase == "init":
             with distribution.scope():
                 model = _ours_init(cls, config)

@@ -16,6 +16,7 @@ import keras_hub_dist
 from keras_hub_dist import LayoutError, PresetError, _compat
 from keras_hub_dist.formats import host_io
 from keras_hub_dist.validate import memory
+from keras_hub_dist.validate.event_samples import sampling_after_calls
 from keras_hub_dist import load_sharded_preset, write_synthetic_preset
 from keras_hub_dist.load.source import resolve_source
 
@@ -247,7 +248,10 @@ def test_each_byte_read_once_and_no_spike(mesh_shape, tmp_path):
 
 def test_stock_spike_is_visible_to_the_same_measurement(tmp_path):
     # The measurement above can fail: stock from_preset under the same
-    # ModelParallel puts whole tensors on one device first.
+    # ModelParallel makes each tensor whole on device 0 (`assign` converts the
+    # file's array there), then `jax.device_put`s it into its layout. One
+    # sample right after each of those calls, while the whole tensor is still
+    # referenced, sees that moment every time.
     keras.utils.set_random_seed(6)
     kw = dict(FAMILIES["gemma"][1], vocabulary_size=8192, hidden_dim=128, intermediate_dim=256)
     keras_hub.models.GemmaBackbone(**kw, dtype="float32").save_to_preset(str(tmp_path / "p"))
@@ -256,14 +260,19 @@ def test_stock_spike_is_visible_to_the_same_measurement(tmp_path):
     distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     gc.collect()
     with memory.MemorySampler(interval_s=0.001) as sampler:
-        with distribution.scope():
-            keras_hub.models.Backbone.from_preset(str(tmp_path / "p"))
+        with sampling_after_calls(sampler, jax, "device_put") as at_device_put:
+            with distribution.scope():
+                backbone = keras_hub.models.Backbone.from_preset(str(tmp_path / "p"))
+    start, final = sampler.start_per_device, sampler.final_per_device
+    table = 8192 * 128 * 4  # the token embedding, 4 MiB
+    # At the embedding's device_put, device 0 held the whole table.
+    assert max(s[0] - start[0] for s in at_device_put) >= table
     ratios = [
-        (sampler.peak_per_device[d] - sampler.start_per_device[d])
-        / (sampler.final_per_device[d] - sampler.start_per_device[d])
+        (sampler.peak_per_device[d] - start[d]) / (final[d] - start[d])
         for d in sampler.device_ids
     ]
     assert max(ratios) > 2.0
+    del backbone
 
 
 def test_progress_bar(gemma_preset, capsys):
