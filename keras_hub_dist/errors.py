@@ -44,6 +44,15 @@ class UnconvertedWeightsWarning(KerasHubDistWarning):
 __all__.append("UnconvertedWeightsWarning")
 
 
+class RemoteDownloadWarning(KerasHubDistWarning):
+    """A preset is fetched by KerasHub's own downloader (a `kaggle://` handle
+    or a KerasHub preset name): every host downloads whole weight files into
+    its cache before loading, instead of reading only its share."""
+
+
+__all__.append("RemoteDownloadWarning")
+
+
 class LayoutError(ValueError):
     """A layout does not fit a variable (axis names, rank or divisibility)."""
 

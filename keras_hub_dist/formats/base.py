@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import abc
 import math
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,12 +162,15 @@ class StoredTensor:
         offset: Byte offset of element 0.
         shape: Shape of the stored tensor.
         dtype: Its dtype.
+        opened: The file, opened by the format that indexed it (a remote
+            object); `None` for a local path, opened when read.
     """
 
     file: str
     offset: int
     shape: tuple[int, ...]
     dtype: np.dtype
+    opened: Any = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -179,13 +181,14 @@ class StoredTensor:
         return byte_runs(self.shape, self.dtype.itemsize, index, self.offset)
 
     def read(self, index: Index) -> np.ndarray:
-        """Block `index` in fresh, aligned memory (one `preadv` per run)."""
+        """Block `index` in fresh, aligned memory (one read per run)."""
         out = host_io.aligned_empty(tuple(b - a for a, b in index), self.dtype)
-        fd = os.open(self.file, os.O_RDONLY)
+        file = self.opened if self.opened is not None else host_io.LocalFile(self.file)
         try:
-            host_io.read_runs(fd, self.block_runs(index), out)
+            file.read_stretches(host_io.run_stretches(self.block_runs(index), out))
         finally:
-            os.close(fd)
+            if self.opened is None:
+                file.close()
         return out
 
 
@@ -257,12 +260,15 @@ class CheckpointIndex:
         entries: One per model variable, in `model.weights` order.
         total_bytes: Bytes of all the checkpoint's tensors on disk.
         format: A short name of the format (`"keras_h5"`, ...).
+        opened: The same files, opened (`host_io.LocalFile`, remote
+            `RemoteFile`), where the format opened them.
     """
 
     files: tuple[str, ...]
     entries: tuple[IndexedVariable, ...]
     total_bytes: int
     format: str
+    opened: tuple[Any, ...] = ()
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -10,6 +10,7 @@ buffers with `os.pwritev`.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import mmap
 import os
@@ -24,7 +25,10 @@ if TYPE_CHECKING:
     from keras_hub_dist.formats.base import ByteRuns
 
 __all__ = [
+    "BufferedReader",
     "FileDescriptors",
+    "LocalFile",
+    "Readers",
     "IOV_MAX",
     "MAX_READ",
     "aligned_empty",
@@ -231,3 +235,128 @@ def contiguous_groups(offsets: Sequence[int], lengths: Sequence[int]) -> Iterato
             j += 1
         yield i, j
         i = j
+
+
+class LocalFile:
+    """A local file, read with `preadv`: the local twin of
+    `ranged_http.RemoteFile` (same `read_stretches`, `read`, `size`, `name`).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.name = path
+        self._fd = -1
+        self._fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+
+    def __repr__(self) -> str:
+        return f"LocalFile({self.name!r})"
+
+    def read_stretches(
+        self,
+        stretches: Sequence[tuple[int, Sequence[memoryview]]],
+        on_read: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Fills each stretch's buffers, in order, from the file bytes at its
+        offset (one `preadv` per stretch, resumed when short)."""
+        for offset, buffers in stretches:
+            calls = preadv_full(self._fd, list(buffers), offset)
+            if on_read is not None:
+                on_read(sum(len(b) for b in buffers), calls)
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray(length)
+        preadv_full(self._fd, [memoryview(out)], offset)
+        return bytes(out)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def run_stretches(runs: ByteRuns, out: np.ndarray) -> list[tuple[int, list[memoryview]]]:
+    """`runs` as stretches into C-contiguous `out`: one per run, each at
+    most `MAX_READ` bytes (what one `preadv` may read)."""
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    stretches = []
+    position = 0
+    for offset, length in runs:
+        end = position + length
+        while position < end:
+            step = min(end - position, MAX_READ)
+            stretches.append((offset, [flat[position : position + step]]))
+            position += step
+            offset += step
+    return stretches
+
+
+class Readers:
+    """The open files of one load, by name: a file a format opened itself
+    (a remote object, kept on its `StoredTensor`) or a local path opened
+    here on first use."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, Any] = {}
+
+    def __call__(self, name: str, opened: Any = None) -> Any:
+        if opened is not None:
+            return opened
+        if name not in self._files:
+            self._files[name] = LocalFile(name)
+        return self._files[name]
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for file in files.values():
+            file.close()
+
+
+class BufferedReader(io.RawIOBase):
+    """A read-only, seekable file object over a `LocalFile`/`RemoteFile`
+    that reads `block_bytes` at a time and keeps the blocks it read: what
+    h5py's file-object driver needs to walk a remote file's metadata with a
+    few large range requests instead of thousands of tiny ones."""
+
+    def __init__(self, file: Any, block_bytes: int = 64 << 10) -> None:
+        super().__init__()
+        self.file = file
+        self.block_bytes = block_bytes
+        self._blocks: dict[int, bytes] = {}
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.file.size}[whence]
+        self._position = base + offset
+        return self._position
+
+    def _block(self, number: int) -> bytes:
+        if number not in self._blocks:
+            start = number * self.block_bytes
+            self._blocks[number] = self.file.read(start, min(self.block_bytes, self.file.size - start))
+        return self._blocks[number]
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = min(len(view), max(0, self.file.size - self._position))
+        done = 0
+        while done < want:
+            number, within = divmod(self._position + done, self.block_bytes)
+            block = self._block(number)
+            take = min(want - done, len(block) - within)
+            view[done : done + take] = block[within : within + take]
+            done += take
+        self._position += done
+        return done

@@ -166,15 +166,27 @@ class _Trace:
         self.read: set[str] = set()
 
 
-def _tracing_loader(ref: str, files: SafetensorsCheckpoint, trace: _Trace) -> Any:
+def _tracing_loader(label: str, files: SafetensorsCheckpoint, trace: _Trace) -> Any:
     """KerasHub's `SafetensorLoader`, serving `LazyArray`s (no tensor read).
 
     A subclass, so key resolution (`get_prefixed_key`, prefixes, the index)
-    is KerasHub's own.
+    is KerasHub's own; its state is set from the files already indexed
+    (KerasHub's constructor would fetch the index through its own file
+    getter, which downloads whole files for remote presets).
     """
     base = _compat.safetensor_loader_class()
 
     class TracingLoader(base):
+        def __init__(self) -> None:  # noqa: D107 - see above
+            contextlib.ExitStack.__init__(self)
+            self.preset = label
+            self.safetensor_config = (
+                None if files.weight_map is None else {"weight_map": dict(files.weight_map)}
+            )
+            self.safetensor_files = {}
+            self.prefix = None
+            self.fname = None
+
         def get_tensor(self, hf_weight_key: str) -> LazyArray:
             if self.safetensor_config is None:
                 fname = self.fname if self.fname is not None else SINGLE_FILE
@@ -231,7 +243,7 @@ def _tracing_loader(ref: str, files: SafetensorsCheckpoint, trace: _Trace) -> An
                     )
             keras_variable.assign(value)
 
-    return TracingLoader(ref)
+    return TracingLoader()
 
 
 @contextlib.contextmanager
@@ -295,7 +307,7 @@ def _source_of(
 
 
 def index_checkpoint(
-    model: keras.Model, ref: str, label: str, config: Mapping[str, Any]
+    model: keras.Model, location: Any, label: str, config: Mapping[str, Any]
 ) -> CheckpointIndex:
     """Traces KerasHub's converter on `model` and validates every value.
 
@@ -305,7 +317,7 @@ def index_checkpoint(
             tensor, the variable, expected and received), a value that cannot
             be loaded block-wise.
     """
-    files = checkpoint_files(ref, label)
+    files = checkpoint_files(location, label)
     converter = _converter(config, label)
     saved = {id(v): v for v in keras_h5.expected_datasets(model).values()}
     trace = _Trace(list(saved.values()))
@@ -313,7 +325,7 @@ def index_checkpoint(
     # trace, that would be noise, and the library prints nothing.
     with (
         _recording_assignments(trace),
-        _tracing_loader(ref, files, trace) as loader,
+        _tracing_loader(label, files, trace) as loader,
         contextlib.redirect_stdout(io.StringIO()),
     ):
         try:
@@ -384,4 +396,5 @@ def index_checkpoint(
         entries=tuple(entries),
         total_bytes=sum(tensors[n].nbytes for n in trace.read),
         format=FORMAT,
+        opened=files.opened,
     )

@@ -56,11 +56,13 @@ from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
+from keras_hub_dist.formats.locations import Location, is_remote, open_location
+from keras_hub_dist.formats.ranged_http import DEFAULT_CONCURRENCY, RangeClient
 from keras_hub_dist.formats.transforms import fallbacks
 from keras_hub_dist.load.block_plan import LoadPlan, VariableRequest, plan_load
 from keras_hub_dist.load.execute import ExecuteStats, execute_plan
 from keras_hub_dist.load.report import LoadReport
-from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
+from keras_hub_dist.load.source import PresetSource, read_config, read_metadata, resolve_source
 from keras_hub_dist.load.tasks import build_task, task_class
 from keras_hub_dist.plan.abstract import build_without_values
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
@@ -88,6 +90,8 @@ def load_sharded_preset(
     task_kwargs: Mapping[str, Any] | None = None,
     num_threads: int = 2,
     verify: bool = False,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    cache_dir: str | os.PathLike | None = None,
 ) -> keras.Model | tuple[keras.Model, LoadReport]:
     """Loads a KerasHub preset directly into its final sharding.
 
@@ -106,15 +110,19 @@ def load_sharded_preset(
     own with `keras.distribution.set_distribution(...)` if needed.
 
     Args:
-        preset: A local KerasHub preset directory, a KerasHub preset name or
-            handle (`"gemma_7b_en"`, `"kaggle://..."`, `"hf://..."`, resolved
-            and cached by KerasHub's downloader), or a keras_hub_dist
-            architecture name (`keras_hub_dist.presets.names()`, e.g.
-            `"gemma2_7b"`). Hugging Face checkpoints (a directory with a
-            Transformers `config.json` and `model.safetensors` or
-            `model.safetensors.index.json` + shards, or an `"hf://owner/name"`
-            handle) load the same way, converted block by block exactly as
-            KerasHub's converter would (`keras_hub_dist.formats.huggingface`).
+        preset: A local KerasHub preset directory; a remote one, read by
+            byte ranges with each process fetching only its own devices'
+            bytes (`"s3://bucket/path"`, `"gs://bucket/path"`,
+            `"hf://owner/name[@revision]"`, `"https://host/path"`; see
+            README "Remote checkpoints"); a KerasHub preset name or handle
+            (`"gemma_7b_en"`, `"kaggle://..."`, downloaded whole by
+            KerasHub's downloader); or a keras_hub_dist architecture name
+            (`keras_hub_dist.presets.names()`, e.g. `"gemma2_7b"`). Hugging
+            Face checkpoints (a Transformers `config.json` and
+            `model.safetensors` or `model.safetensors.index.json` + shards,
+            local or remote) load the same way, converted block by block
+            exactly as KerasHub's converter would
+            (`keras_hub_dist.formats.huggingface`).
         mesh: `None` (all devices on the model axis: `(1, n)`), a
             `keras.distribution.DeviceMesh`, a `jax.sharding.Mesh`, a shape
             `(batch, model)` such as `(2, 4)`, or a dict such as
@@ -145,6 +153,12 @@ def load_sharded_preset(
             `save_sharded_preset` recorded in metadata.json before any
             device memory is used (a full read of the files, split over the
             processes). A preset without checksums is an error then.
+        concurrency: Range requests in flight at once for a remote preset
+            (each at most 16 MiB).
+        cache_dir: For a remote preset, where the small files KerasHub's
+            task loaders read from disk (config, tokenizer) are kept;
+            default: a temporary directory removed after the load. Weight
+            files are never written to disk.
 
     Returns:
         The backbone (or task) model, or `(model, LoadReport)` with
@@ -171,7 +185,8 @@ def load_sharded_preset(
     with sampler:
         model, plan, stats, index, label = _load(
             preset, mesh, layout_map, dtype, task, progress, model_axis, data_axis,
-            dict(task_kwargs or {}), num_threads, verify,
+            dict(task_kwargs or {}), num_threads, verify, concurrency,
+            None if cache_dir is None else os.fspath(cache_dir),
         )
     wall = time.perf_counter() - start
     if not memory_report:
@@ -218,13 +233,44 @@ def _load(
     task_kwargs: dict[str, Any],
     num_threads: int,
     verify: bool,
+    concurrency: int,
+    cache_dir: str | None,
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     # Phase 1: resolve and validate; no device memory is used.
     source = resolve_source(preset)
-    config = read_config(source)
+    remote = is_remote(source.ref)
+    client = RangeClient(concurrency, process_index=jax.process_index()) if remote else None
+    try:
+        with open_location(source.ref, source.label, client=client, cache_dir=cache_dir) as location:
+            return _load_from(
+                source, location, mesh, layout_map, dtype, task, progress, model_axis,
+                data_axis, task_kwargs, num_threads, verify,
+                prefetch_threads=max(num_threads, concurrency) if remote else num_threads,
+            )
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _load_from(
+    source: PresetSource,
+    location: Location,
+    mesh: Any,
+    layout_map: Any,
+    dtype: Any,
+    task: Any,
+    progress: bool | None,
+    model_axis: str,
+    data_axis: str,
+    task_kwargs: dict[str, Any],
+    num_threads: int,
+    verify: bool,
+    prefetch_threads: int,
+) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
+    config = read_config(location)
     checkpoint = checkpoint_format(config, source.label)
     backbone_cls, backbone_config = checkpoint.backbone_config(config, source.label)
-    metadata = read_metadata(source)
+    metadata = read_metadata(location)
     task_cls = task_class(task, backbone_cls, metadata, source.label) if task else None
     if mesh is None and isinstance(layout_map, keras.distribution.LayoutMap):
         device_mesh = layout_map.device_mesh
@@ -236,9 +282,12 @@ def _load(
     # saved policy.
     backbone, deferred = build_without_values(backbone_cls, {**backbone_config, "dtype": dtype})
     try:
-        index = checkpoint.index_checkpoint(backbone, source.ref, source.label, config)
+        index = checkpoint.index_checkpoint(backbone, location, source.label, config)
         if verify:
-            checksums.verify_files(index.files, metadata, source.label, num_threads=num_threads)
+            checksums.verify_files(
+                index.opened or index.files, metadata, source.label,
+                num_threads=prefetch_threads,
+            )
         if layout_map is None:
             resolved_map = default_layout_map(backbone, device_mesh, model_axis, data_axis)
         else:
@@ -268,7 +317,8 @@ def _load(
 
         bar = byte_progress(plan.read_bytes, f"Loading {source.short}", progress)
         stats = execute_plan(
-            plan, shardings, devices, fill, progress=bar, num_threads=num_threads
+            plan, shardings, devices, fill, progress=bar, num_threads=num_threads,
+            prefetch_threads=prefetch_threads,
         )
         with distribution.scope():
             # Variables Keras never saves (e.g. seed generator states) get
@@ -279,7 +329,7 @@ def _load(
                     _compat.initialize_pending([v])
             model = backbone
             if task_cls is not None:
-                model = build_task(task_cls, source, backbone, task_kwargs)
+                model = build_task(task_cls, location, backbone, task_kwargs)
     except BaseException:
         for v in deferred:
             value = _compat.variable_array(v)

@@ -38,23 +38,31 @@ def main() -> None:
         for name in os.listdir(preset)
         if name.endswith((".weights.h5", ".safetensors"))
     }
+    # Where each safetensors file's tensors begin: reads before that are of
+    # its header, recorded apart from the weights' bytes.
+    data_start = {}
+    for path in weights_files:
+        if path.endswith(".safetensors"):
+            with open(path, "rb") as f:
+                data_start[path] = 8 + int.from_bytes(f.read(8), "little")
     reads: list[tuple[int, int]] = []
+    header_reads: list[tuple[int, int]] = []
     original_preadv = os.preadv
     original_pread = os.pread
 
-    def is_weights(fd: int) -> bool:
-        return os.path.realpath(f"/proc/self/fd/{fd}") in weights_files
+    def record(fd: int, offset: int, n: int) -> None:
+        path = os.path.realpath(f"/proc/self/fd/{fd}")
+        if path in weights_files and n > 0:
+            (header_reads if offset < data_start.get(path, 0) else reads).append((offset, n))
 
     def recording_preadv(fd, buffers, offset, *args):
         n = original_preadv(fd, buffers, offset, *args)
-        if is_weights(fd) and n > 0:
-            reads.append((offset, n))
+        record(fd, offset, n)
         return n
 
     def recording_pread(fd, length, offset):
         data = original_pread(fd, length, offset)
-        if is_weights(fd) and data:
-            reads.append((offset, len(data)))
+        record(fd, offset, len(data))
         return data
 
     os.preadv, os.pread = recording_preadv, recording_pread
@@ -133,6 +141,7 @@ def main() -> None:
                 "device_count": jax.device_count(),
                 "local_device_ids": [d.id for d in jax.local_devices()],
                 "reads": reads,
+                "header_reads": header_reads,
                 "held": held,
                 "table_sharding": str(table.sharding.spec),
                 "table_blocks": drawn,

@@ -4,6 +4,7 @@ import gc
 import json
 import os
 import shutil
+import threading
 
 import jax
 import keras
@@ -474,7 +475,10 @@ def test_failure_while_reading_leaves_nothing_half_loaded(gemma_preset, monkeypa
     monkeypatch.setattr(host_io, "preadv_full", flaky)
     with clean_state(), pytest.raises(PresetError, match=r"Loading variable '[^']+' .* failed: OSError"):
         load_sharded_preset(gemma_preset, mesh=(2, 4))
-    assert len(calls) == 6
+    # Every reader thread ended with the load: nothing reads on after it
+    # (variables read ahead of the failing one may have finished first).
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("keras_hub_dist-")]
+    assert len(calls) >= 6
 
 
 def test_unknown_or_unavailable_task(gemma_preset, clean_state):

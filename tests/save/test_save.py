@@ -3,6 +3,7 @@ writes (dataset for dataset), loadable by stock and by us on other meshes,
 no device spike, crash-safe, checksummed, and clear errors."""
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -102,6 +103,7 @@ def _save_with_sampler(model, path, at_each_write=False, **kwargs):
     (`sampling_after_calls` on `saver.write_value`): a value that lives
     only while it is written (a merged LoRA kernel) is then measured at
     that moment, not only when the background thread happens to sample."""
+    gc.collect()  # earlier tests' garbage must not be freed mid-sample
     with memory.MemorySampler() as sampler:
         with (sampling_after_calls(sampler, saver, "write_value") if at_each_write
               else contextlib.nullcontext([])) as at_writes:
