@@ -62,6 +62,7 @@ from keras_hub_dist.load.execute import ExecuteStats, execute_plan
 from keras_hub_dist.load.report import LoadReport
 from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
 from keras_hub_dist.load.tasks import build_task, task_class
+from keras_hub_dist.measure.memory import MemorySampler
 from keras_hub_dist.plan.abstract import build_without_values
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
 from keras_hub_dist.plan.mesh import jax_mesh
@@ -161,10 +162,7 @@ def load_sharded_preset(
             variable and suggests a mesh that works).
     """
     if memory_report:
-        # Imported here: measuring is optional and lives with validation.
-        from keras_hub_dist.validate import memory
-
-        sampler = memory.MemorySampler()
+        sampler = MemorySampler()
     else:
         sampler = contextlib.nullcontext()
     start = time.perf_counter()

@@ -269,7 +269,7 @@ def _versions() -> dict[str, str]:
 def _measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     import jax
 
-    from keras_hub_dist.validate import memory
+    from keras_hub_dist.measure import memory
 
     case, phase = spec["case"], spec["phase"]
     dtype = spec.get("dtype")

@@ -15,7 +15,7 @@ from conftest import MESH_SHAPES
 import keras_hub_dist
 from keras_hub_dist import LayoutError, PresetError, _compat
 from keras_hub_dist.formats import host_io
-from keras_hub_dist.validate import memory
+from keras_hub_dist.measure import memory, program_watch
 from keras_hub_dist import load_sharded_preset, write_synthetic_preset
 from keras_hub_dist.load.source import resolve_source
 
@@ -195,7 +195,7 @@ def test_no_program_is_compiled_and_nothing_is_random_initialized(gemma_preset):
     def record(executable, name):
         compiled.append((name, memory.compiled_memory(executable).get("output_bytes", 0)))
 
-    with _compat.watch_compilations(record):
+    with program_watch.watch_compilations(record):
         backbone = load_sharded_preset(gemma_preset, mesh=(2, 4))
     # Random init (or any re-shard) would compile an XLA program producing
     # weight-sized outputs. (KerasHub's constructors may compile scalar

@@ -20,7 +20,7 @@ from keras_hub_dist import write_synthetic_preset
 from keras_hub_dist.formats import checksums, keras_h5
 from keras_hub_dist.plan.abstract import build_without_values
 from keras_hub_dist.save import saver
-from keras_hub_dist.validate import memory
+from keras_hub_dist.measure import memory
 
 SMALL = dict(
     vocabulary_size=512, num_layers=2, num_query_heads=8, num_key_value_heads=8,
