@@ -53,6 +53,7 @@ import keras
 
 from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
+from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
@@ -152,7 +153,8 @@ def load_sharded_preset(
         `memory_report=True`.
 
     Raises:
-        PresetError: Missing or truncated weights file; with `verify=True`,
+        PresetError: A dtype that is not a float dtype (quantized weights
+            come from quantizing after the load); missing or truncated weights file; with `verify=True`,
             bytes that differ from the recorded checksums; variables missing
             from or extra in it; shape or dtype mismatch (the message names
             the path, expected and on-disk values); an unsupported
@@ -200,6 +202,32 @@ def load_sharded_preset(
     return model, report
 
 
+def _check_dtype(dtype: Any) -> None:
+    """Refuses a dtype (policy) that is not a float one, naming `quantize`.
+
+    Weights are cast to the variables' dtype block by block; an integer
+    policy (Keras reads `"int8"` as a quantized one) would need quantization
+    scales that no checkpoint holds.
+    """
+    if dtype is None:
+        return
+    try:
+        policy = keras.dtype_policies.get(dtype)
+        variable_dtype = keras.backend.standardize_dtype(policy.variable_dtype)
+        floating = policy.quantization_mode is None and "float" in variable_dtype
+    except (ValueError, TypeError):
+        floating = False
+    if not floating:
+        raise PresetError(
+            "Weights are loaded in a float dtype. Expected dtype to be a float "
+            "dtype or dtype policy, e.g. 'bfloat16', 'float16', 'float32' or "
+            f"'mixed_bfloat16'. Received: dtype={dtype!r}. For int8 weights, "
+            'load in a float dtype and quantize: quantize="int8" (or '
+            'quantize="int4"), e.g. load_sharded_preset(preset, '
+            'dtype="bfloat16", quantize="int8").'
+        )
+
+
 def _variable_bytes(var: Any) -> int:
     return math.prod(var.shape) * var.target_dtype.itemsize
 
@@ -218,6 +246,7 @@ def _load(
     verify: bool,
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     # Phase 1: resolve and validate; no device memory is used.
+    _check_dtype(dtype)
     source = resolve_source(preset)
     config = read_config(source)
     checkpoint = checkpoint_format(config, source.label)
