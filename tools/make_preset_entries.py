@@ -553,7 +553,7 @@ def build_config(spec):
     import keras_hub
     from keras.src.utils.naming import to_snake_case
 
-    from keras_hub_dist.plan.abstract import build_without_values
+    from keras_hub_dist.plan.build import build_without_values
 
     # A fresh name scope per entry, as in KerasHub's one-checkpoint-per-process
     # conversion: nested layers keep their default names (no `_1` suffixes).

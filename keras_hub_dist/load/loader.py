@@ -6,7 +6,7 @@ reads each tensor whole into host memory, puts it whole on device 0 and only
 then re-shards it. `load_sharded_preset` instead:
 
 1. builds the backbone from the preset's `config.json` with every variable
-   created without a value (`plan.abstract.build_without_values`):
+   created without a value (`plan.build.build_without_values`):
    no weight is generated;
 2. indexes the checkpoint through its format module (`keras_hub_dist.formats`:
    which tensor holds which variable, at which byte offset) and validates
@@ -64,7 +64,7 @@ from keras_hub_dist.load.report import LoadReport
 from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
 from keras_hub_dist.load.tasks import build_task, task_class
 from keras_hub_dist.measure.memory import MemorySampler
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.plan.build import build_without_values
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
 from keras_hub_dist.plan.mesh import jax_mesh
 from keras_hub_dist.plan.model_layouts import (

@@ -31,7 +31,7 @@ from keras_hub_dist.init import initializers
 from keras_hub_dist.init import registry
 from keras_hub_dist.plan import layouts
 from keras_hub_dist.plan import specs as spec_lib
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.plan.build import build_without_values
 from keras_hub_dist.measure.memory import MemorySampler
 
 MESH_SHAPES = [(1, 8), (2, 4)]

@@ -18,7 +18,7 @@ from keras_hub_dist import _compat
 from keras_hub_dist import PresetError, SaveError, load_sharded_preset, save_sharded_preset
 from keras_hub_dist import write_synthetic_preset
 from keras_hub_dist.formats import checksums, keras_h5
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.plan.build import build_without_values
 from keras_hub_dist.save import saver
 from keras_hub_dist.measure import memory
 
