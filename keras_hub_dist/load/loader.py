@@ -125,8 +125,8 @@ def load_sharded_preset(
             available, else KerasHub's `get_layout_map`), a
             `keras.distribution.LayoutMap`, a dict `{path regex: axes}`, or a
             callable `device_mesh -> LayoutMap`.
-        dtype: Dtype (policy) of the model, e.g. `"bfloat16"`; weights are
-            cast block by block on the host. Default: as with
+        dtype: Float dtype (policy) of the model, e.g. `"bfloat16"`; weights
+            are cast block by block on the host. Default: as with
             `Backbone.from_preset`, Keras's global dtype policy
             (`keras.config.dtype_policy()`, float32 unless set), whatever
             dtype the preset was saved in.
