@@ -4,7 +4,9 @@ leave or enter a file.
 Every block is read into fresh, 64-byte-aligned anonymous memory with
 `os.preadv` (no memory map, so nothing loaded ever aliases the file, and no
 per-read Python object per run); saved blocks are written from their own
-buffers with `os.pwritev`.
+buffers with `os.pwritev`. Where a block's bytes lie in a C-ordered tensor
+stored at a file offset is described here too (`ByteRuns`, `byte_runs`),
+as what these reads and writes take; `formats.base` re-exports them.
 """
 
 from __future__ import annotations
@@ -15,27 +17,28 @@ import math
 import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from keras_hub_dist.errors import PresetError
 
-if TYPE_CHECKING:
-    from keras_hub_dist.formats.base import ByteRuns
-
 __all__ = [
     "BufferedReader",
+    "ByteRuns",
     "FileDescriptors",
+    "Index",
     "LocalFile",
     "Readers",
     "IOV_MAX",
     "MAX_READ",
     "aligned_empty",
+    "byte_runs",
     "contiguous_groups",
     "preadv_full",
     "pwritev_full",
-    "read_runs",
+    "run_stretches",
     "sorted_pieces",
     "write_runs",
 ]
@@ -48,6 +51,65 @@ IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024
 # Buffers from this size on get their own huge-page-backed anonymous mapping.
 _HUGE_PAGE_MIN_BYTES = 4 << 20
 _HAS_MADVISE_HUGEPAGE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
+
+
+# `((start, stop), ...)`: one half-open range per dimension of a variable.
+Index = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ByteRuns:
+    """The bytes of one block inside a file: `prod(counts)` runs, C order.
+
+    Run `k` (a multi-index over `counts`) starts at
+    `offset + sum(k_i * strides_i)` and is `run_bytes` long; the runs land in
+    the block's buffer one after another.
+    """
+
+    offset: int
+    run_bytes: int
+    counts: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @property
+    def num_runs(self) -> int:
+        return math.prod(self.counts) if self.run_bytes else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_runs * self.run_bytes
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        """Yields `(file_offset, length)` per run, in buffer order."""
+        if not self.run_bytes:
+            return
+        for k in np.ndindex(*self.counts):
+            yield self.offset + sum(i * s for i, s in zip(k, self.strides)), self.run_bytes
+
+
+def byte_runs(shape: Sequence[int], itemsize: int, index: Index, offset: int) -> ByteRuns:
+    """The strided byte runs of block `index` of a C-order array at `offset`."""
+    shape = tuple(int(d) for d in shape)
+    if not shape:
+        return ByteRuns(offset, itemsize, (), ())
+    if any(stop <= start for start, stop in index):
+        return ByteRuns(offset, 0, (), ())
+    strides = [itemsize * math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    # Every dimension after the last partial one is taken whole, so one run
+    # spans the partial dimension's slice times everything after it.
+    partial = [i for i, (start, stop) in enumerate(index) if (start, stop) != (0, shape[i])]
+    last = partial[-1] if partial else -1
+    if last < 0:
+        return ByteRuns(offset, itemsize * math.prod(shape), (), ())
+    start_offset = offset + sum(index[i][0] * strides[i] for i in range(last + 1))
+    run_bytes = (index[last][1] - index[last][0]) * strides[last]
+    counts, run_strides = [], []
+    for i in range(last):
+        count = index[i][1] - index[i][0]
+        if count > 1:
+            counts.append(count)
+            run_strides.append(strides[i])
+    return ByteRuns(start_offset, run_bytes, tuple(counts), tuple(run_strides))
 
 
 class FileDescriptors:
@@ -125,29 +187,6 @@ def _after(buffers: list[memoryview], n: int) -> list[memoryview]:
     if buffers and n:
         buffers = [buffers[0][n:]] + buffers[1:]
     return buffers
-
-
-def read_runs(
-    fd: int,
-    runs: ByteRuns,
-    out: np.ndarray,
-    on_read: Callable[[int, int], None] | None = None,
-) -> None:
-    """Reads `runs` one after another into C-contiguous `out`.
-
-    `on_read(nbytes, calls)` is told of every read, for statistics.
-    """
-    flat = memoryview(out.reshape(-1).view(np.uint8))
-    position = 0
-    for offset, length in runs:
-        end = position + length
-        while position < end:  # at most MAX_READ per call
-            step = min(end - position, MAX_READ)
-            calls = preadv_full(fd, [flat[position : position + step]], offset)
-            if on_read is not None:
-                on_read(step, calls)
-            position += step
-            offset += step
 
 
 def pwritev_full(fd: int, buffers: list[memoryview], offset: int) -> int:

@@ -47,6 +47,7 @@ remote.read_stretches([(4096, [memoryview(buffer)])])
 from __future__ import annotations
 
 import email.utils
+import importlib.metadata
 import random
 import re
 import threading
@@ -172,13 +173,11 @@ class RangeClient:
                 f"Expected concurrency >= 1 and chunk_bytes >= 1. Received: "
                 f"concurrency={concurrency}, chunk_bytes={chunk_bytes}."
             )
-        from keras_hub_dist import __version__  # noqa: PLC0415 - the package root imports us
-
         self.concurrency = concurrency
         self.chunk_bytes = chunk_bytes
         self.retry = retry or RetryPolicy()
         self.base_headers = {
-            "User-Agent": f"keras-hub-dist/{__version__}",
+            "User-Agent": f"keras-hub-dist/{_version()}",
             "X-Khd-Process": str(process_index),
             "Accept-Encoding": "identity",
         }
@@ -279,6 +278,13 @@ class RangeClient:
                 f.cancel()
             wait(pending)
             raise failed[0].exception()
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("keras-hub-dist")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _follow(redirect: bool) -> urllib3.Retry:

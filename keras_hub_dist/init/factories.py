@@ -56,7 +56,7 @@ from keras_hub_dist import _compat
 from keras_hub_dist.init import initializers
 from keras_hub_dist.init import registry
 from keras_hub_dist.plan import presets
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.plan.build import build_without_values
 
 __all__ = [
     "factory_for_class",

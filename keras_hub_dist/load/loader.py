@@ -6,7 +6,7 @@ reads each tensor whole into host memory, puts it whole on device 0 and only
 then re-shards it. `load_sharded_preset` instead:
 
 1. builds the backbone from the preset's `config.json` with every variable
-   created without a value (`plan.abstract.build_without_values`):
+   created without a value (`plan.build.build_without_values`):
    no weight is generated;
 2. indexes the checkpoint through its format module (`keras_hub_dist.formats`:
    which tensor holds which variable, at which byte offset) and validates
@@ -53,6 +53,7 @@ import keras
 
 from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
+from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
@@ -64,7 +65,8 @@ from keras_hub_dist.load.execute import ExecuteStats, execute_plan
 from keras_hub_dist.load.report import LoadReport
 from keras_hub_dist.load.source import PresetSource, read_config, read_metadata, resolve_source
 from keras_hub_dist.load.tasks import build_task, task_class
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.measure.memory import MemorySampler
+from keras_hub_dist.plan.build import build_without_values
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
 from keras_hub_dist.plan.mesh import jax_mesh
 from keras_hub_dist.plan.model_layouts import (
@@ -131,8 +133,8 @@ def load_sharded_preset(
             available, else KerasHub's `get_layout_map`), a
             `keras.distribution.LayoutMap`, a dict `{path regex: axes}`, or a
             callable `device_mesh -> LayoutMap`.
-        dtype: Dtype (policy) of the model, e.g. `"bfloat16"`; weights are
-            cast block by block on the host. Default: as with
+        dtype: Float dtype (policy) of the model, e.g. `"bfloat16"`; weights
+            are cast block by block on the host. Default: as with
             `Backbone.from_preset`, Keras's global dtype policy
             (`keras.config.dtype_policy()`, float32 unless set), whatever
             dtype the preset was saved in.
@@ -165,7 +167,8 @@ def load_sharded_preset(
         `memory_report=True`.
 
     Raises:
-        PresetError: Missing or truncated weights file; with `verify=True`,
+        PresetError: A dtype that is not a float dtype (quantized weights
+            come from quantizing after the load); missing or truncated weights file; with `verify=True`,
             bytes that differ from the recorded checksums; variables missing
             from or extra in it; shape or dtype mismatch (the message names
             the path, expected and on-disk values); an unsupported
@@ -175,10 +178,7 @@ def load_sharded_preset(
             variable and suggests a mesh that works).
     """
     if memory_report:
-        # Imported here: measuring is optional and lives with validation.
-        from keras_hub_dist.validate import memory
-
-        sampler = memory.MemorySampler()
+        sampler = MemorySampler()
     else:
         sampler = contextlib.nullcontext()
     start = time.perf_counter()
@@ -217,6 +217,32 @@ def load_sharded_preset(
     return model, report
 
 
+def _check_dtype(dtype: Any) -> None:
+    """Refuses a dtype (policy) that is not a float one, naming `quantize`.
+
+    Weights are cast to the variables' dtype block by block; an integer
+    policy (Keras reads `"int8"` as a quantized one) would need quantization
+    scales that no checkpoint holds.
+    """
+    if dtype is None:
+        return
+    try:
+        policy = keras.dtype_policies.get(dtype)
+        variable_dtype = keras.backend.standardize_dtype(policy.variable_dtype)
+        floating = policy.quantization_mode is None and "float" in variable_dtype
+    except (ValueError, TypeError):
+        floating = False
+    if not floating:
+        raise PresetError(
+            "Weights are loaded in a float dtype. Expected dtype to be a float "
+            "dtype or dtype policy, e.g. 'bfloat16', 'float16', 'float32' or "
+            f"'mixed_bfloat16'. Received: dtype={dtype!r}. For int8 weights, "
+            'load in a float dtype and quantize: quantize="int8" (or '
+            'quantize="int4"), e.g. load_sharded_preset(preset, '
+            'dtype="bfloat16", quantize="int8").'
+        )
+
+
 def _variable_bytes(var: Any) -> int:
     return math.prod(var.shape) * var.target_dtype.itemsize
 
@@ -237,6 +263,7 @@ def _load(
     cache_dir: str | None,
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     # Phase 1: resolve and validate; no device memory is used.
+    _check_dtype(dtype)
     source = resolve_source(preset)
     remote = is_remote(source.ref)
     client = RangeClient(concurrency, process_index=jax.process_index()) if remote else None

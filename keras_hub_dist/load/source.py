@@ -50,6 +50,13 @@ def _looks_like_path(preset: str) -> bool:
 
 
 def _unknown(preset: str) -> PresetError:
+    if os.path.isfile(preset):
+        return PresetError(
+            f"The preset {preset!r} is a file. Expected a preset directory "
+            "holding config.json and the weights. Received: a file, not a "
+            "directory. Pass the directory it is in, "
+            f"{os.path.dirname(os.path.abspath(preset))!r}, if that is the preset."
+        )
     if _looks_like_path(preset):
         parent = os.path.dirname(os.path.abspath(os.path.expanduser(preset)))
         return PresetError(
@@ -73,9 +80,9 @@ def resolve_source(preset: Any) -> PresetSource:
     """Resolves what the user passed as a preset.
 
     Raises:
-        PresetError: Not a string or path; a directory that does not exist; a
-            name that is neither a KerasHub preset nor a keras_hub_dist
-            architecture (the message lists the closest names).
+        PresetError: Not a string or path; a file, or a directory that does
+            not exist; a name that is neither a KerasHub preset nor a
+            keras_hub_dist architecture (the message lists the closest names).
     """
     if isinstance(preset, os.PathLike):
         preset = os.fspath(preset)

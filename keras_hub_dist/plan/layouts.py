@@ -60,6 +60,7 @@ from keras_hub_dist.errors import LayoutFallbackWarning
 from keras_hub_dist.plan import family_rules
 from keras_hub_dist.plan import presets
 from keras_hub_dist.plan import specs
+from keras_hub_dist.plan.build import variable_specs
 from keras_hub_dist.plan.family_rules import ExpertBank
 from keras_hub_dist.plan.families import keras_hub_family
 from keras_hub_dist.plan.mesh import axis_sizes
@@ -188,11 +189,8 @@ def _target(model_or_class_or_name: Any) -> tuple[type, list[tuple[str, tuple]] 
     if isinstance(target, presets.PresetEntry):
         target = target.name
     if isinstance(target, str):
-        from keras_hub_dist.plan import abstract
-
         cls, _, _ = presets.backbone_config(target)  # a name or preset dir
-        specs = abstract.variable_specs(target)
-        return cls, [(spec.path, spec.shape) for spec in specs]
+        return cls, [(spec.path, spec.shape) for spec in variable_specs(target)]
     model = getattr(target, "model", None)  # an `AbstractBackbone`
     if isinstance(model, keras.Model):
         target = model

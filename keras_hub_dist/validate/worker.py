@@ -269,8 +269,8 @@ def _versions() -> dict[str, str]:
 def _measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     import jax
 
-    from keras_hub_dist.validate import memory
-    from keras_hub_dist.validate.event_samples import sampling_after_calls
+    from keras_hub_dist.measure import memory
+    from keras_hub_dist.measure.event_samples import sampling_after_calls
 
     case, phase = spec["case"], spec["phase"]
     dtype = spec.get("dtype")

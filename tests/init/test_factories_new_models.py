@@ -31,9 +31,9 @@ from keras_hub_dist.init import initializers
 from keras_hub_dist.init import registry
 from keras_hub_dist.plan import layouts
 from keras_hub_dist.plan import specs as spec_lib
-from keras_hub_dist.plan.abstract import build_without_values
-from keras_hub_dist.validate.event_samples import sampling_after_calls
-from keras_hub_dist.validate.memory import MemorySampler
+from keras_hub_dist.plan.build import build_without_values
+from keras_hub_dist.measure.event_samples import sampling_after_calls
+from keras_hub_dist.measure.memory import MemorySampler
 
 MESH_SHAPES = [(1, 8), (2, 4)]
 

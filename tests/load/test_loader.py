@@ -16,8 +16,8 @@ from conftest import MESH_SHAPES
 import keras_hub_dist
 from keras_hub_dist import LayoutError, PresetError, _compat
 from keras_hub_dist.formats import host_io
-from keras_hub_dist.validate import memory
-from keras_hub_dist.validate.event_samples import sampling_after_calls
+from keras_hub_dist.measure import memory, program_watch
+from keras_hub_dist.measure.event_samples import sampling_after_calls
 from keras_hub_dist import load_sharded_preset, write_synthetic_preset
 from keras_hub_dist.load.source import resolve_source
 
@@ -197,7 +197,7 @@ def test_no_program_is_compiled_and_nothing_is_random_initialized(gemma_preset):
     def record(executable, name):
         compiled.append((name, memory.compiled_memory(executable).get("output_bytes", 0)))
 
-    with _compat.watch_compilations(record):
+    with program_watch.watch_compilations(record):
         backbone = load_sharded_preset(gemma_preset, mesh=(2, 4))
     # Random init (or any re-shard) would compile an XLA program producing
     # weight-sized outputs. (KerasHub's constructors may compile scalar
@@ -332,6 +332,40 @@ def test_directory_that_does_not_exist(tmp_path, clean_state):
         load_sharded_preset(missing, mesh=(1, 8))
     assert f"The preset directory {missing!r} does not exist" in str(info.value)
     assert "its parent exists" in str(info.value)
+
+
+def test_a_file_where_a_preset_directory_is_expected(gemma_preset, clean_state):
+    config = os.path.join(gemma_preset, "config.json")
+    with clean_state(), pytest.raises(PresetError) as info:
+        load_sharded_preset(config, mesh=(1, 8))
+    message = str(info.value)
+    assert f"The preset {config!r} is a file. Expected a preset directory" in message
+    assert f"Pass the directory it is in, {gemma_preset!r}" in message
+    assert "does not exist" not in message
+
+
+def test_layout_map_key_that_is_not_a_regular_expression(gemma_preset, clean_state):
+    mesh = keras.distribution.DeviceMesh((1, 8), ("batch", "model"), jax.devices())
+    as_layout_map = keras.distribution.LayoutMap(mesh)
+    as_layout_map["["] = (None, "model")
+    for layout_map in ({"[": (None, "model")}, as_layout_map):
+        with clean_state(), pytest.raises(LayoutError) as info:
+            load_sharded_preset(gemma_preset, mesh=(1, 8), layout_map=layout_map)
+        message = str(info.value)
+        assert "Layout map key '[' is not a valid regular expression (unterminated character set" in message
+        assert "Expected each layout-map key to be a regular expression" in message
+        assert "escape it (re.escape): '\\\\['" in message
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int32", "int8_from_float32"])
+def test_integer_dtype_points_to_quantize(gemma_preset, dtype, clean_state):
+    with clean_state(), pytest.raises(PresetError) as info:
+        load_sharded_preset(gemma_preset, mesh=(1, 8), dtype=dtype)
+    message = str(info.value)
+    assert "Weights are loaded in a float dtype. Expected dtype to be a float dtype" in message
+    assert f"Received: dtype={dtype!r}." in message
+    assert 'For int8 weights, load in a float dtype and quantize: quantize="int8"' in message
+    assert "Cannot convert `policy`" not in message  # not Keras's text
 
 
 def test_invalid_config_json_names_the_file_and_line(gemma_preset, clean_state):

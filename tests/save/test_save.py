@@ -20,10 +20,10 @@ from keras_hub_dist import _compat
 from keras_hub_dist import PresetError, SaveError, load_sharded_preset, save_sharded_preset
 from keras_hub_dist import write_synthetic_preset
 from keras_hub_dist.formats import checksums, keras_h5
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.plan.build import build_without_values
 from keras_hub_dist.save import saver
-from keras_hub_dist.validate import memory
-from keras_hub_dist.validate.event_samples import sampling_after_calls
+from keras_hub_dist.measure import memory
+from keras_hub_dist.measure.event_samples import sampling_after_calls
 
 SMALL = dict(
     vocabulary_size=512, num_layers=2, num_query_heads=8, num_key_value_heads=8,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from keras_hub_dist.validate import memory
+from keras_hub_dist.measure import memory
 from conftest import MESH_SHAPES
 
 MIB = 2**20
@@ -327,7 +327,7 @@ def test_current_rss_is_psutils_and_follows_forks():
 
     import psutil
 
-    from keras_hub_dist.validate import host_rss
+    from keras_hub_dist.measure import host_rss
 
     rss = memory.current_rss_bytes()
     assert abs(rss - psutil.Process().memory_info().rss) < 64 * MIB
@@ -335,3 +335,29 @@ def test_current_rss_is_psutils_and_follows_forks():
     host_rss._process = psutil.Process(os.getppid())
     assert abs(memory.current_rss_bytes() - rss) < 64 * MIB
     assert host_rss._process.pid == os.getpid()
+
+
+def test_program_watch_patches_once_survives_listener_errors_and_restores():
+    from keras_hub_dist import _compat
+    from keras_hub_dist.measure import program_watch
+
+    original = _compat._jax_compiler.compile_or_get_cached
+    outer, inner = [], []
+
+    def broken(executable, name):
+        raise RuntimeError("a listener's bug")
+
+    with program_watch.watch_compilations(lambda e, n: outer.append(n)) as watching:
+        assert watching
+        patched = _compat._jax_compiler.compile_or_get_cached
+        assert patched is not original
+        with program_watch.watch_compilations(broken), program_watch.watch_compilations(
+            lambda e, n: inner.append(n)
+        ):
+            assert _compat._jax_compiler.compile_or_get_cached is patched  # one patch
+            out = jax.jit(lambda a: a * 3 + 1)(jnp.arange(4.0))
+        jax.jit(lambda a: a - 2)(jnp.arange(5.0)).block_until_ready()
+    assert _compat._jax_compiler.compile_or_get_cached is original
+    np.testing.assert_array_equal(np.asarray(out), [1.0, 4.0, 7.0, 10.0])
+    assert "jit__lambda" in inner
+    assert len(outer) > len(inner)  # the outer watcher also saw the last compile
