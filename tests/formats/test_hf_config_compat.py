@@ -250,6 +250,21 @@ def test_stock_fails_on_the_fixture_checkpoint_where_we_load(case, tmp_path):
     assert type(model).__name__ == huggingface.backbone_config(config, case)[0].__name__
 
 
+@pytest.mark.parametrize("case,attribute,stock_value,value", [
+    ("llama", "rope_frequency_adjustment_factor", None, 32.0),
+    ("gpt_oss", "rope_scaling_factor", 1.0, 32.0),
+])
+def test_stock_loads_the_fixture_checkpoint_silently_with_another_rope(
+    case, attribute, stock_value, value, tmp_path
+):
+    config, _ = _fixture(case)
+    path = write_hf_checkpoint(str(tmp_path / case), config, _values(_tensor_shapes(case, True)))
+    stock = keras_hub.models.Backbone.from_preset(path)
+    model = load_sharded_preset(path, mesh=(2, 4), progress=False)
+    assert getattr(stock, attribute) == stock_value
+    assert getattr(model, attribute) == value
+
+
 def test_gpt_oss_unquantized_experts_are_refused(tmp_path, clean_state):
     config, shapes = _fixture("gpt_oss")
     path = write_hf_checkpoint(str(tmp_path / "gpt_oss"), config, _values(shapes))
