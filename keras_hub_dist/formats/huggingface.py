@@ -48,7 +48,7 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError, UnconvertedWeightsWarning
-from keras_hub_dist.formats import keras_h5
+from keras_hub_dist.formats import hf_config_compat, keras_h5
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
     IndexedVariable,
@@ -122,8 +122,13 @@ def _converter(config: Mapping[str, Any], label: str) -> Any:
 
 
 def backbone_config(config: Mapping[str, Any], label: str) -> tuple[type, dict[str, Any]]:
-    """`(backbone class, constructor config)`, by KerasHub's config conversion."""
+    """`(backbone class, constructor config)`, by KerasHub's config conversion.
+
+    `config` may be written by `transformers` 4 or 5: keys `transformers` 5
+    renamed are read under their new names (`hf_config_compat`).
+    """
     _check_quantization(config, label)
+    config = hf_config_compat.compatible_config(config, label)
     converter = _converter(config, label)
     cls = converter.backbone_cls
     convert = converter.convert_backbone_config
@@ -140,12 +145,55 @@ def backbone_config(config: Mapping[str, Any], label: str) -> tuple[type, dict[s
             k: keras.layers.serialize(v) if isinstance(v, keras.layers.Layer) else v
             for k, v in kwargs.items()
         }
-    except (KeyError, TypeError, ValueError) as e:
+    except KeyError as e:
+        raise PresetError(_missing_key_message(config, label, e.args[0] if e.args else e)) from e
+    except (TypeError, ValueError) as e:
         raise PresetError(
             f"KerasHub's converter for model_type={config.get('model_type')!r} cannot "
             f"read the config.json of {label!r}: {type(e).__name__}: {e}. Expected a "
             "complete Transformers config of that model type."
         ) from e
+
+
+def _missing_key_message(config: Mapping[str, Any], label: str, key: Any) -> str:
+    model_type = str(config.get("model_type"))
+    known = hf_config_compat.renames_of(model_type)
+    return (
+        f"KerasHub's converter for model_type={model_type!r} cannot read the "
+        f"config.json of {label!r}: it has no key {key!r}. Expected a complete "
+        f"Transformers config of that model type, as transformers "
+        f"{hf_config_compat.READ_TRANSFORMERS_VERSIONS} writes it (keys "
+        "transformers 5 renamed for this model type, read under their new names: "
+        + (", ".join(known) if known else "none")
+        + f"). Received keys: {sorted(config)}. Fix: use the config.json that came "
+        f"with the weights; if a newer transformers wrote {key!r} under another "
+        "name, add that name to the checkpoint's config.json as well."
+    )
+
+
+def _check_expert_layout(model_type: str, tensors: Mapping[str, StoredTensor], label: str) -> None:
+    """Refuses gpt-oss experts stored unquantized, which KerasHub cannot read.
+
+    `transformers` saves a dequantized gpt-oss (the usual form after
+    fine-tuning, and the only one it writes on CPU) with float
+    `mlp.experts.gate_up_proj` / `down_proj`; KerasHub 0.32's converter reads
+    only the published MXFP4 form (`*_blocks`, `*_scales`), and stock
+    `from_preset` fails on the missing `*_blocks` tensor.
+    """
+    if model_type != "gpt_oss":
+        return
+    plain = sorted(n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj")))
+    if plain:
+        raise PresetError(
+            f"The gpt-oss checkpoint {label!r} stores its experts unquantized "
+            f"({plain[0]!r}, shape {list(tensors[plain[0]].shape)}, and "
+            f"{len(plain) - 1} more), as transformers saves a dequantized gpt-oss. "
+            "Expected the MXFP4 experts of the published checkpoints "
+            "(`experts.gate_up_proj_blocks` / `_scales`): KerasHub 0.32's gpt-oss "
+            "converter reads only those, and stock `Backbone.from_preset` fails on "
+            "this checkpoint too. Fix: load the MXFP4 checkpoint (e.g. "
+            "openai/gpt-oss-20b)."
+        )
 
 
 class _MissingTensor(KeyError):
@@ -166,13 +214,17 @@ class _Trace:
         self.read: set[str] = set()
 
 
-def _tracing_loader(label: str, files: SafetensorsCheckpoint, trace: _Trace) -> Any:
+def _tracing_loader(
+    label: str, files: SafetensorsCheckpoint, trace: _Trace, model_type: str
+) -> Any:
     """KerasHub's `SafetensorLoader`, serving `LazyArray`s (no tensor read).
 
     A subclass, so key resolution (`get_prefixed_key`, prefixes, the index)
-    is KerasHub's own; its state is set from the files already indexed
-    (KerasHub's constructor would fetch the index through its own file
-    getter, which downloads whole files for remote presets).
+    is KerasHub's own; a tensor it does not find is looked up under the name
+    `transformers` 5 gives it (`hf_config_compat.stored_tensor_name`). Its
+    state is set from the files already indexed (KerasHub's constructor would
+    fetch the index through its own file getter, which downloads whole files
+    for remote presets).
     """
     base = _compat.safetensor_loader_class()
 
@@ -187,12 +239,17 @@ def _tracing_loader(label: str, files: SafetensorsCheckpoint, trace: _Trace) -> 
             self.prefix = None
             self.fname = None
 
+        def stored_key(self, hf_weight_key: str, names: Mapping[str, Any]) -> str:
+            key = self.get_prefixed_key(hf_weight_key, names)
+            renamed = hf_config_compat.stored_tensor_name(model_type, key, names.__contains__)
+            return key if renamed is None else renamed
+
         def get_tensor(self, hf_weight_key: str) -> LazyArray:
             if self.safetensor_config is None:
                 fname = self.fname if self.fname is not None else SINGLE_FILE
             else:
                 weight_map = self.safetensor_config["weight_map"]
-                fname = weight_map.get(self.get_prefixed_key(hf_weight_key, weight_map))
+                fname = weight_map.get(self.stored_key(hf_weight_key, weight_map))
                 if fname is None:
                     in_files = [f for f, h in files.headers.items() if hf_weight_key in h.tensors]
                     raise _MissingTensor(
@@ -201,7 +258,7 @@ def _tracing_loader(label: str, files: SafetensorsCheckpoint, trace: _Trace) -> 
                         + (f" (it is in {in_files[0]!r}; the index is stale)" if in_files else "")
                     )
             header = files.headers.get(fname)
-            name = self.get_prefixed_key(hf_weight_key, header) if header else hf_weight_key
+            name = self.stored_key(hf_weight_key, header.tensors) if header else hf_weight_key
             if header is None or name not in header.tensors:
                 raise _MissingTensor(
                     f"tensor {hf_weight_key!r} is missing from {fname!r}"
@@ -318,6 +375,10 @@ def index_checkpoint(
             be loaded block-wise.
     """
     files = checkpoint_files(location, label)
+    config = hf_config_compat.compatible_config(config, label)
+    model_type = str(config.get("model_type"))
+    tensors = {n: t for h in files.headers.values() for n, t in h.tensors.items()}
+    _check_expert_layout(model_type, tensors, label)
     converter = _converter(config, label)
     saved = {id(v): v for v in keras_h5.expected_datasets(model).values()}
     trace = _Trace(list(saved.values()))
@@ -325,7 +386,7 @@ def index_checkpoint(
     # trace, that would be noise, and the library prints nothing.
     with (
         _recording_assignments(trace),
-        _tracing_loader(label, files, trace) as loader,
+        _tracing_loader(label, files, trace, model_type) as loader,
         contextlib.redirect_stdout(io.StringIO()),
     ):
         try:
@@ -337,10 +398,8 @@ def index_checkpoint(
                 f"KerasHub's converter stopped: {type(e).__name__}: {e}"
             )
 
-    tensors = {n: t for h in files.headers.values() for n, t in h.tensors.items()}
     entries, unassigned, problems = [], [], list(trace.problems)
     seen: set[int] = set()
-    model_type = str(config.get("model_type"))
     for variable in model.weights:
         if id(variable) in seen or id(variable) not in saved:
             continue
