@@ -26,6 +26,10 @@ with RangeServer({"ckpt/model.weights.h5": "/tmp/model.weights.h5"}) as server:
     assert server.bytes_sent(process=3) == 8
 ```
 
+Tests use the fixtures of tests/remote/conftest.py; pointing huggingface_hub
+at the Hub routes is explained in remote_hub.py, the emulators' quirks in
+remote_stores.py.
+
 Benchmarks serve a directory from the command line and read the URL from the
 first line printed (JSON):
 
@@ -75,12 +79,18 @@ _ERROR_CODES = {
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One logged request. `start`/`end` are the requested range as sent
-    (`bytes=a-b` -> (a, b + 1), `bytes=a-` -> (a, None), `bytes=-n` ->
-    (-n, None), no Range -> (None, None)); `bytes_sent` counts the body bytes
-    actually written; `key` is the object key it addressed (S3 key without
-    the bucket, GCS object name, Hub file name, plain path); `fault` is
-    "status", "auth", "fail" or "cut" when one was injected."""
+    """One logged request, appended as its reply starts (before the first
+    byte leaves, so a client that has read a reply always finds it logged).
+
+    `start`/`end` are the requested range as sent (`bytes=a-b` -> (a, b + 1),
+    `bytes=a-` -> (a, None), `bytes=-n` -> (-n, None), no Range -> (None,
+    None)); `bytes_sent` counts the body bytes written (the whole body, or
+    what left before a cut, a stop or the client going away: the record is
+    corrected then); `process` is the `X-Khd-Process` header as an int;
+    `time` is when the request arrived (`time.time()`); `key` is the object
+    key it addressed (S3 key without the bucket, GCS object name, Hub file
+    name, plain path); `fault` is "status", "auth", "fail" or "cut" when one
+    was injected."""
 
     method: str
     path: str
@@ -108,7 +118,7 @@ class RangeServer:
         seed: faults are drawn from a hash of (seed, kind, method, path,
             Range, how many times that same request came before), so they
             do not depend on how threads interleave, and a retry draws anew.
-        fail_rate: fraction of faultable requests answered 503.
+        fail_rate: fraction of the requests (of `fault_methods`) answered 503.
         retry_after: if not None, the `Retry-After` header of those 503s.
         cut_rate: fraction of faultable bodies cut short: the headers carry
             the full Content-Length, part of the body follows, then the
@@ -126,6 +136,9 @@ class RangeServer:
         upstream_hook: `(server, method, path, query, headers) -> Reply |
             dict`, run before proxying: a `Reply` answers instead, a dict
             adds response headers; `headers` may be changed in place.
+
+    Every option is also an attribute that a test may change while the
+    server runs (`server.fail_rate = 0.3`).
     """
 
     def __init__(self, objects: Mapping[str, Source] | None = None, *,

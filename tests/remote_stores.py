@@ -21,9 +21,13 @@ with MotoS3() as s3, GcsEmulator() as gcs:
 
 What the emulators do (moto 5.2.5, gcp-storage-emulator 2026.7.19):
 
-- moto: requests need a SigV4 signature (any key, e.g. `testing`): an
-  unsigned GET or HEAD is 403 with an empty body, even in a public-read
-  bucket, unless the object itself is public-read. Signed: `bytes=a-b`,
+- moto: requests need to look SigV4-signed for service `s3`: an unsigned
+  GET or HEAD is 403 with an empty body, even in a public-read bucket,
+  unless the object itself is public-read; an `Authorization` header that
+  is not SigV4 is a 500 (HTML: moto cannot tell the service). The signature
+  itself is not checked (any key, secret or region passes). Paths are
+  path-style, `{endpoint}/{bucket}/{key}`, through the proxy too (which
+  forwards the `Host` header unchanged). Signed: `bytes=a-b`,
   `a-` and `-n` answer 206 with `Content-Range: bytes a-b/size`; a start
   past the end 416 (XML `InvalidRange`); several ranges 200 and the whole
   object. ETag: the quoted MD5 hex (`"md5-N"` after an N-part upload);
@@ -126,16 +130,20 @@ class MotoS3:
                 aws_access_key_id="testing", aws_secret_access_key="testing")
         return self._client
 
-    def upload_dir(self, local_dir: str, bucket: str, prefix: str = "") -> str:
+    def upload_dir(self, local_dir: str, bucket: str, prefix: str = "",
+                   public: bool = False) -> str:
         """Creates `bucket` if needed, uploads every file under `local_dir`
-        to `prefix/`; returns `s3://bucket/prefix`."""
+        to `prefix/` (public-read objects with `public`: unsigned GETs then
+        work); returns `s3://bucket/prefix`."""
         client = self.client()
         try:
             client.create_bucket(Bucket=bucket)
         except client.exceptions.BucketAlreadyOwnedByYou:
             pass
+        extra = {"ACL": "public-read"} if public else None
         for path, relative in walk_files(local_dir):
-            client.upload_file(path, bucket, f"{prefix.strip('/')}/{relative}".lstrip("/"))
+            client.upload_file(path, bucket, f"{prefix.strip('/')}/{relative}".lstrip("/"),
+                               ExtraArgs=extra)
         return f"s3://{bucket}/{prefix.strip('/')}".rstrip("/")
 
 

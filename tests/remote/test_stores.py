@@ -37,6 +37,11 @@ def checkpoint_dir(tmp_path):
 
 
 def test_moto_ranges_etags_and_signing(s3, checkpoint_dir):
+    botocore = pytest.importorskip("botocore")
+    import botocore.auth
+    import botocore.awsrequest
+    import botocore.credentials
+
     url = s3.upload_dir(str(checkpoint_dir), "khd-moto", "ckpt")
     assert url == "s3://khd-moto/ckpt"
     assert os.environ["AWS_ENDPOINT_URL"] == s3.endpoint
@@ -49,6 +54,12 @@ def test_moto_ranges_etags_and_signing(s3, checkpoint_dir):
         r = _get(key_url, signed("GET", key_url, {"Range": header}))
         assert (r.status, r.data, r.headers["ETag"]) == (206, DATA[start:end], md5)
         assert r.headers["Content-Range"] == f"bytes {start}-{end - 1}/{SIZE}"
+    # moto does not check the signature: any credentials pass (auth failures
+    # are for the proxy's `status_for` to inject).
+    wrong = botocore.auth.S3SigV4Auth(botocore.credentials.Credentials("x", "y"), "s3", "eu-west-3")
+    request = botocore.awsrequest.AWSRequest("GET", key_url, headers={"Range": "bytes=0-3"})
+    wrong.add_auth(request)
+    assert _get(key_url, dict(request.headers)).data == DATA[:4]
     r = _get(key_url, signed("GET", key_url, {"Range": f"bytes={SIZE}-"}))
     assert r.status == 416 and b"<Code>InvalidRange</Code>" in r.data
     r = _get(key_url, signed("GET", key_url, {"Range": "bytes=0-1,4-5"}))
@@ -58,6 +69,9 @@ def test_moto_ranges_etags_and_signing(s3, checkpoint_dir):
     assert r.headers["Connection"] == "close"
     missing = f"{s3.endpoint}/khd-moto/ckpt/missing"
     assert b"NoSuchKey" in _get(missing, signed("GET", missing)).data
+    s3.upload_dir(str(checkpoint_dir), "khd-moto-public", "ckpt", public=True)
+    public = f"{s3.endpoint}/khd-moto-public/ckpt/model.weights.h5"
+    assert _get(public, {"Range": "bytes=0-9"}).data == DATA[:10]  # unsigned
 
 
 def test_s3_through_the_proxy(s3, checkpoint_dir):
