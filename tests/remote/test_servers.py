@@ -2,7 +2,6 @@
 remote_hub.py, remote_stores.py) answer, log and fail as the tests of the
 remote loader will rely on, and stop leaving no thread or port behind."""
 
-import hashlib
 import json
 import os
 import re
@@ -17,7 +16,6 @@ import pytest
 import urllib3
 
 import remote_http
-import remote_stores
 from remote_servers import RangeServer
 
 DATA = bytes(range(256)) * 40 + b"tail"
