@@ -256,18 +256,23 @@ def sorted_pieces(
     )
 
 
-def contiguous_groups(offsets: Sequence[int], lengths: Sequence[int]) -> Iterator[tuple[int, int]]:
+def contiguous_groups(
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    max_pieces: int = IOV_MAX,
+    max_bytes: int = MAX_READ,
+) -> Iterator[tuple[int, int]]:
     """`(i, j)` per stretch of pieces `i:j` that are back to back in the
-    file: one `preadv`/`pwritev` each (at most `IOV_MAX` pieces, `MAX_READ`
-    bytes)."""
+    file: one `preadv`/`pwritev` each (at most `max_pieces` pieces and
+    `max_bytes` bytes: what one call takes; a range request takes any)."""
     i, count = 0, len(offsets)
     while i < count:
         size = lengths[i]
         j = i + 1
         while (
             j < count
-            and j - i < IOV_MAX
-            and size + lengths[j] <= MAX_READ
+            and j - i < max_pieces
+            and size + lengths[j] <= max_bytes
             and offsets[j] == offsets[j - 1] + lengths[j - 1]
         ):
             size += lengths[j]
@@ -280,6 +285,9 @@ class LocalFile:
     """A local file, read with `preadv`: the local twin of
     `ranged_http.RemoteFile` (same `read_stretches`, `read`, `size`, `name`).
     """
+
+    # What one stretch may hold: one `preadv` call's iovecs and bytes.
+    stretch_limits = (IOV_MAX, MAX_READ)
 
     def __init__(self, path: str) -> None:
         self.name = path

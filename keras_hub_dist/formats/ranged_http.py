@@ -50,6 +50,7 @@ import email.utils
 import importlib.metadata
 import random
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -181,10 +182,13 @@ class RangeClient:
             "X-Khd-Process": str(process_index),
             "Accept-Encoding": "identity",
         }
+        # Range reads run on the `concurrency` request threads; a few more
+        # connections serve metadata and small files asked from elsewhere.
+        # `block=True`: past that, a request waits for a free connection.
         self._pool = urllib3.PoolManager(
             num_pools=16,
-            maxsize=concurrency,
-            block=False,
+            maxsize=concurrency + 4,
+            block=True,
             retries=False,
             timeout=urllib3.Timeout(
                 connect=self.retry.connect_timeout_s, read=self.retry.read_timeout_s
@@ -266,7 +270,7 @@ class RangeClient:
     def run_all(self, jobs: Sequence[Callable[[], None]]) -> None:
         """Runs `jobs` on the request threads; the first failure cancels the
         rest and is raised once every started job has ended."""
-        if len(jobs) == 1 or threading.current_thread().name.startswith("keras_hub_dist-fetch"):
+        if threading.current_thread().name.startswith("keras_hub_dist-fetch"):
             for job in jobs:
                 job()
             return
@@ -310,6 +314,10 @@ class RemoteFile:
         size: Its length, as seen when opened.
         etag: Its ETag when opened (`None` if the store gives none).
     """
+
+    # A stretch is one range request (cut into chunks): any length, any
+    # number of buffers.
+    stretch_limits = (sys.maxsize, sys.maxsize)
 
     def __init__(self, client: RangeClient, info: ObjectInfo, signer: Signer, name: str) -> None:
         self.client = client

@@ -98,6 +98,10 @@ def _file(readers: host_io.Readers, var: VariablePlan) -> Any:
     return readers(stored.file, stored.opened)
 
 
+def _is_remote(readers: host_io.Readers, var: VariablePlan) -> bool:
+    return not isinstance(_file(readers, var), host_io.LocalFile)
+
+
 def _read_direct(readers: host_io.Readers, var: VariablePlan, block: Block, stats: ExecuteStats) -> np.ndarray:
     host = aligned_empty(block.read_shape, var.source_dtype)
     _file(readers, var).read_stretches(host_io.run_stretches(block.runs, host), stats.add_read)
@@ -177,7 +181,7 @@ def _read_scatter(readers: host_io.Readers, var: VariablePlan, stats: ExecuteSta
     window: list[tuple[int, list[memoryview]]] = []
     window_pieces: list[int] = []
     window_bytes = 0
-    groups = list(host_io.contiguous_groups(offsets, lengths))
+    groups = list(host_io.contiguous_groups(offsets, lengths, *file.stretch_limits))
     for number, (i, j) in enumerate(groups):
         iovecs: list[memoryview] = []
         for k in range(i, j):
@@ -212,7 +216,10 @@ def _host_blocks(
     pool: ThreadPoolExecutor | None,
     num_threads: int,
 ) -> Iterator[tuple[Block, np.ndarray]]:
-    if var.strategy == "scatter":
+    if var.strategy == "scatter" or (var.strategy == "direct" and _is_remote(readers, var)):
+        # Remote blocks are fetched as the file's contiguous stretches (one
+        # range request each, cut into chunks that run concurrently), not a
+        # request per block.
         yield from _read_scatter(readers, var, stats)
         return
     if var.strategy == "read_union":
