@@ -46,6 +46,7 @@ from keras_hub_dist.errors import UnconvertedWeightsWarning  # noqa: E402
 from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
 from keras_hub_dist.errors import PresetError  # noqa: E402
 from keras_hub_dist.errors import SaveError  # noqa: E402
+from keras_hub_dist.errors import StaleStagingWarning  # noqa: E402
 from keras_hub_dist.errors import UnknownPresetError  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedGlorotNormal  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedGlorotUniform  # noqa: E402
@@ -90,6 +91,7 @@ __all__ = [
     "MissingLayoutWarning",
     "PresetError",
     "SaveError",
+    "StaleStagingWarning",
     "UnknownPresetError",
     "abstract_backbone",
     "gemma3_backbone",
