@@ -144,8 +144,10 @@ def save_sharded_preset(
     Power loss: the rename is atomic, but without `durable=True` the
     kernel may still hold the written bytes in memory when it returns, so a
     power loss can leave a published preset with files partly written.
-    `durable=True` flushes (`fsync`) every file and directory written and
-    the parent directory before the rename, and the parent again after it.
+    `durable=True` flushes (`fsync`) every file and directory written (each
+    process the blocks it wrote, before the processes agree to publish;
+    process 0 everything else) and the parent directory before the rename,
+    and the parent again after it.
 
     Args:
         model: A built `keras_hub.models.Backbone` or `Task`.
@@ -225,7 +227,9 @@ def save_sharded_preset(
         digests = _processes.sum_over_processes(table[0])
 
         if jax.process_index() == 0:
-            error = _guard(lambda: _finish(folder, target, backbone, files, digests, token, names, durable))
+            error = _guard(
+                lambda: _finish(folder, target, backbone, files, digests, token, names, durable)
+            )
         _processes.check_all(error, SaveError, f"Publishing {target!r} failed")
     finally:  # the owner record, and the staging directory unless published
         if jax.process_index() == 0:

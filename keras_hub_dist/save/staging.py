@@ -191,7 +191,8 @@ class Owner:
         """Creates the record at `path` (which must not exist)."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.write(fd, json.dumps(asdict(self)).encode())  # one write: a kill leaves it whole or empty
+            # One write: a kill leaves it whole or empty.
+            os.write(fd, json.dumps(asdict(self)).encode())
             if durable:
                 os.fsync(fd)
         finally:
@@ -338,7 +339,9 @@ def sweep_stale(parent: str, base: str) -> str | None:
         A report naming every directory removed, restored or left (whose
         save cannot be proven dead), or `None` when there was none.
     """
-    pattern = re.compile(re.escape(f".{base}.") + r"(partial|replaced|owner)-([0-9a-f]{12})(\.json)?")
+    pattern = re.compile(
+        re.escape(f".{base}.") + r"(partial|replaced|owner)-([0-9a-f]{12})(\.json)?"
+    )
     try:
         names = os.listdir(parent)
     except OSError:
@@ -361,7 +364,8 @@ def sweep_stale(parent: str, base: str) -> str | None:
     # The newest first: once one replaced preset is restored, older ones are garbage.
     for token, dirs, verdict, why, _ in sorted(judged, key=lambda j: -j[4]):
         if verdict == "unknown":
-            left += [f"{d!r} ({why})" for d in dirs] or [f"{record_path(parent, base, token)!r} ({why})"]
+            shown = dirs or [record_path(parent, base, token)]
+            left += [f"{path!r} ({why})" for path in shown]
             continue
         if verdict == "alive":
             continue

@@ -30,6 +30,8 @@ from tests.save.test_save import _assert_same_weights
 WORKER = pathlib.Path(__file__).with_name("killed_save_worker.py")
 TOKENS = {name: f"{i:012x}" for i, name in enumerate(["live", "reused", "elsewhere", "dead"], 1)}
 
+LEFT_ALONE = "Left alone (its save may still run; remove it by hand once it does not)"
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
 
@@ -65,7 +67,8 @@ def _wait_for(path, proc, timeout_s=180):
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
         if proc.poll() is not None:
-            pytest.fail(f"the worker ended first (exit {proc.returncode}): {proc.stderr.read()[-3000:]}")
+            pytest.fail(f"the worker ended first (exit {proc.returncode}): "
+                        f"{proc.stderr.read()[-3000:]}")
         if time.monotonic() > deadline:
             pytest.fail(f"the worker did not reach its write in {timeout_s} s")
         time.sleep(0.05)
@@ -143,14 +146,16 @@ def test_a_live_save_is_left_alone_a_reused_pid_is_not(model, tmp_path):
         (message,) = _messages(warned)
         assert f"removed {reused_dir!r} (its save: process {sleeper.pid} on host" in message
         assert f"pid {sleeper.pid} is another process now" in message
-        assert f"{elsewhere_dir!r} (process {sleeper.pid} on host 'node-7.example': another host" in message
-        assert message.index("Left alone (its save may still run; remove it by hand once it does not)") < message.index(elsewhere_dir)
+        assert (f"{elsewhere_dir!r} (process {sleeper.pid} on host 'node-7.example': "
+                "another host") in message
+        assert message.index(LEFT_ALONE) < message.index(elsewhere_dir)
         assert live_dir not in message
         assert sorted(os.listdir(tmp_path)) == sorted([
             os.path.basename(p) for p in (live_dir, elsewhere_dir)
         ] + [f".target.owner-{TOKENS[n]}.json" for n in ("live", "elsewhere")] + ["target"])
         assert pathlib.Path(live_dir, "model.weights.h5").read_bytes() == b"live"
-        assert staging.Owner.read(staging.record_path(str(tmp_path), "target", TOKENS["live"])) == live
+        live_record = staging.record_path(str(tmp_path), "target", TOKENS["live"])
+        assert staging.Owner.read(live_record) == live
         assert sleeper.poll() is None  # it was alive all along
     finally:
         sleeper.kill()
@@ -172,7 +177,7 @@ def test_directories_without_an_owner_record_are_removed_only_when_old(tmp_path)
     (tmp_path / ".other.partial-" f"{'c' * 12}").mkdir()  # another target's
     report = staging.sweep_stale(str(tmp_path), "t")
     assert f"removed {old!r} (its save: no owner record, and nothing in it changed for 48 h)" in report
-    assert f"Left alone (its save may still run; remove it by hand once it does not): {recent!r} (no owner record" in report
+    assert f"{LEFT_ALONE}: {recent!r} (no owner record" in report
     assert "unchanged for 24 h" in report
     assert sorted(os.listdir(tmp_path)) == sorted(
         [os.path.basename(recent), ".t.partial-not_a_token", f".other.partial-{'c' * 12}"])
@@ -200,7 +205,8 @@ def test_a_save_killed_while_replacing_the_target(model, preset, tmp_path, targe
         assert f"removed {replaced!r}" in message
         assert (tmp_path / "target" / "config.json").read_text() == "new"
     else:
-        assert f"restored {str(tmp_path / 'target')!r} from {replaced!r} (its save was killed while replacing it: process {os.getpid()}" in message
+        assert (f"restored {str(tmp_path / 'target')!r} from {replaced!r} (its save was killed "
+                f"while replacing it: process {os.getpid()}") in message
         assert (tmp_path / "target" / "config.json").read_text() == "old"
     assert f"removed {partial!r}" in message
     assert os.listdir(tmp_path) == ["target"]
