@@ -11,7 +11,8 @@ cannot hide another's), on 8 simulated CPU devices, mesh (1, 8):
 - `ours`: `model = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8))`,
   then `keras_hub_dist.save_sharded_preset(model, out_dir)`.
 - `ours_durable`: the same with `durable=True` (every file and directory
-  fsynced, the parent around the rename).
+  fsynced, the parent around the rename); the time spent in `os.fsync` is
+  reported too.
 - `stock`: the same load, then `model.save_to_preset(out_dir)` (the
   `ModelParallel` distribution the load set stays active, as it would for a
   user).
@@ -290,6 +291,19 @@ def _case_save(args, which: str) -> dict:
         shutil.rmtree(args.out)
     gc.collect()
 
+    fsyncs = {"s": 0.0, "calls": 0}
+    if which == "ours_durable":  # how long the save waits for the disk
+        real_fsync = os.fsync
+
+        def timed_fsync(fd):
+            start = time.perf_counter()
+            try:
+                return real_fsync(fd)
+            finally:
+                fsyncs["s"] += time.perf_counter() - start
+                fsyncs["calls"] += 1
+
+        os.fsync = timed_fsync
     sampler = keras_hub_dist.MemorySampler(interval_s=0.002)
     with _AnonSampler(interval_s=0.001) as anon:
         with sampler:
@@ -328,6 +342,8 @@ def _case_save(args, which: str) -> dict:
         "device_ratio_per_device": device_ratios,
         "device_peak": max(device_ratios.values()) if device_ratios else float("nan"),
         "compiled_programs": [c["name"] for c in sampler.compiled],
+        "fsync_s": fsyncs["s"],
+        "fsync_calls": fsyncs["calls"],
         **_output_report(args.out),
     }
     if args.check:
@@ -440,8 +456,10 @@ def _summarize(results: list[tuple[str, dict]]) -> tuple[str, list[str]]:
         if any(r["out_missing"] for r in ok):
             notes.append(f"MISSING {last['out_missing']}")
         if name == "ours_durable":
+            fsync_s = "; ".join(f"{r['fsync_s']:.2f}" for r in ok)
             notes.insert(0, f"time / ours {_ratio(wall(name), ours_wall)}, time / floor_durable "
-                         f"{_ratio(wall(name), wall('floor_durable'))}")
+                         f"{_ratio(wall(name), wall('floor_durable'))}; in fsync {fsync_s} s "
+                         f"({last['fsync_calls']} calls)")
         if last["compiled_programs"]:
             notes.append(f"{len(last['compiled_programs'])} XLA programs compiled")
         if "check_ok" in last:
