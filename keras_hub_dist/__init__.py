@@ -46,6 +46,8 @@ from keras_hub_dist.errors import UnconvertedWeightsWarning  # noqa: E402
 from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
 from keras_hub_dist.errors import PresetError  # noqa: E402
 from keras_hub_dist.errors import SaveError  # noqa: E402
+from keras_hub_dist.errors import RemoteDownloadWarning  # noqa: E402
+from keras_hub_dist.errors import StaleStagingWarning  # noqa: E402
 from keras_hub_dist.errors import UnknownPresetError  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedGlorotNormal  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedGlorotUniform  # noqa: E402
@@ -90,6 +92,8 @@ __all__ = [
     "MissingLayoutWarning",
     "PresetError",
     "SaveError",
+    "RemoteDownloadWarning",
+    "StaleStagingWarning",
     "UnknownPresetError",
     "abstract_backbone",
     "gemma3_backbone",

@@ -53,6 +53,17 @@ class RemoteDownloadWarning(KerasHubDistWarning):
 __all__.append("RemoteDownloadWarning")
 
 
+class StaleStagingWarning(KerasHubDistWarning):
+    """`save_sharded_preset` found what earlier saves to the same target,
+    killed before they finished, left beside it: it names every staging
+    directory it removed (its save provably dead), restored (the only copy
+    of the replaced preset) or left alone (its save may still run, e.g. on
+    another host)."""
+
+
+__all__.append("StaleStagingWarning")
+
+
 class LayoutError(ValueError):
     """A layout does not fit a variable (axis names, rank or divisibility)."""
 

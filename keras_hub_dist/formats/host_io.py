@@ -126,6 +126,11 @@ class FileDescriptors:
             self._fds[path] = os.open(path, self._flags)
         return self._fds[path]
 
+    def sync(self) -> None:
+        """Flushes every open file to the disk (`os.fsync`)."""
+        for fd in self._fds.values():
+            os.fsync(fd)
+
     def close(self) -> None:
         fds, self._fds = self._fds, {}
         for fd in fds.values():

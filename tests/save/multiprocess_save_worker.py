@@ -9,11 +9,12 @@ CPU devices (gloo), loads PRESET_DIR sharded over MESH ("BxM"), then calls
 range this process writes. MODE:
 
 - `ok`: a plain save;
+- `durable`: a save with `durable=True`, recording every path it fsyncs;
 - `fail_write`: process 1's second positioned write raises `OSError`;
 - `different_target`: process 1 passes TARGET + "_other".
 
-Writes `OUT_DIR/process_<id>.json` (the writes, the blocks its devices hold,
-and the error raised, if any). Exits with 77 when the platform cannot run a
+Writes `OUT_DIR/process_<id>.json` (the writes, the paths fsynced, the
+blocks its devices hold, and the error raised, if any). Exits with 77 when the platform cannot run a
 multi-process JAX job.
 """
 
@@ -47,16 +48,25 @@ def main() -> None:
         writes.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, n))
         return n
 
+    fsynced: list[str] = []
+    original_fsync = os.fsync
+
+    def recording_fsync(fd):
+        fsynced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return original_fsync(fd)
+
     if mode == "different_target" and process_id == 1:
         target = target + "_other"
-    os.pwritev = recording_pwritev
+    os.pwritev, os.fsync = recording_pwritev, recording_fsync
     error = None
     try:
-        keras_hub_dist.save_sharded_preset(backbone, target, overwrite=True, progress=False)
+        keras_hub_dist.save_sharded_preset(
+            backbone, target, overwrite=True, progress=False, durable=mode == "durable"
+        )
     except Exception as e:  # noqa: BLE001 - reported to the test
         error = f"{type(e).__name__}: {e}"
     finally:
-        os.pwritev = original_pwritev
+        os.pwritev, os.fsync = original_pwritev, original_fsync
 
     held = {}
     for variable in backbone.weights:
@@ -71,7 +81,7 @@ def main() -> None:
             }
         )
     with open(os.path.join(out_dir, f"process_{process_id}.json"), "w") as handle:
-        json.dump({"writes": writes, "held": held, "error": error}, handle)
+        json.dump({"writes": writes, "fsynced": fsynced, "held": held, "error": error}, handle)
     jax.distributed.shutdown()
 
 
