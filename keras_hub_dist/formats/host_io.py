@@ -371,7 +371,8 @@ class BufferedReader(io.RawIOBase):
     """A read-only, seekable file object over a `LocalFile`/`RemoteFile`
     that reads `block_bytes` at a time and keeps the blocks it read: what
     h5py's file-object driver needs to walk a remote file's metadata with a
-    few large range requests instead of thousands of tiny ones."""
+    few large range requests instead of thousands of tiny ones. A read that
+    fails is kept in `error` (h5py raises its own error in its place)."""
 
     def __init__(self, file: Any, block_bytes: int = 64 << 10) -> None:
         super().__init__()
@@ -379,6 +380,7 @@ class BufferedReader(io.RawIOBase):
         self.block_bytes = block_bytes
         self._blocks: dict[int, bytes] = {}
         self._position = 0
+        self.error: BaseException | None = None
 
     def readable(self) -> bool:
         return True
@@ -397,7 +399,12 @@ class BufferedReader(io.RawIOBase):
     def _block(self, number: int) -> bytes:
         if number not in self._blocks:
             start = number * self.block_bytes
-            self._blocks[number] = self.file.read(start, min(self.block_bytes, self.file.size - start))
+            try:
+                self._blocks[number] = self.file.read(start, min(self.block_bytes, self.file.size - start))
+            except Exception as e:
+                # Kept for the caller: h5py's callback turns it into its own.
+                self.error = e
+                raise OSError(f"reading {self.file.name} failed: {e}") from e
         return self._blocks[number]
 
     def readinto(self, buffer: Any) -> int:

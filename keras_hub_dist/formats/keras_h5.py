@@ -29,10 +29,11 @@ index.entries[0].path, index.entries[0].source.stored.offset
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,15 +277,28 @@ def _index_file(path: str, h5: h5py.File, found: dict[str, DatasetInfo], file_si
         raise problems[0]
 
 
-def _open_h5(file: Any) -> h5py.File:
+@contextlib.contextmanager
+def _open_h5(file: Any) -> Iterator[h5py.File]:
     """h5py on a local path, or on an opened (remote) file through a reader
     that fetches 64 KiB blocks: HDF5's metadata is a few small reads per
-    dataset, so a file's index costs a few range requests per dataset."""
-    if isinstance(file, str):
-        return h5py.File(file, "r")
-    if isinstance(file, host_io.LocalFile):
-        return h5py.File(file.name, "r")
-    return h5py.File(host_io.BufferedReader(file), "r")
+    dataset, so a file's index costs a few range requests per dataset.
+
+    A read that fails inside h5py (its file-object callback cannot carry
+    our error out) is raised as the reader's own error, naming the URL and
+    the byte range."""
+    reader = None
+    try:
+        if isinstance(file, (str, host_io.LocalFile)):
+            h5 = h5py.File(file if isinstance(file, str) else file.name, "r")
+        else:
+            reader = host_io.BufferedReader(file)
+            h5 = h5py.File(reader, "r")
+        with h5:
+            yield h5
+    except Exception:
+        if reader is not None and reader.error is not None:
+            raise reader.error from None
+        raise
 
 
 def read_datasets(files: Sequence[Any]) -> dict[str, DatasetInfo]:
@@ -307,7 +321,8 @@ def read_datasets(files: Sequence[Any]) -> dict[str, DatasetInfo]:
         size = os.path.getsize(path) if isinstance(file, str) else file.size
         opened = None if isinstance(file, (str, host_io.LocalFile)) else file
         try:
-            h5 = _open_h5(file)
+            with _open_h5(file) as h5:
+                _index_file(path, h5, found, size, opened)
         except OSError as e:
             reason = "truncated" if "truncated" in str(e) else "not a readable HDF5 file"
             raise PresetError(
@@ -316,8 +331,6 @@ def read_datasets(files: Sequence[Any]) -> dict[str, DatasetInfo]:
                 f"{size} bytes that h5py cannot open ({e}). "
                 "Download or save the preset again."
             ) from e
-        with h5:
-            _index_file(path, h5, found, size, opened)
     return found
 
 

@@ -132,6 +132,10 @@ class Signer(Protocol):
     def describe_missing(self, url: str) -> str: ...
 
 
+# What a `RangeClient` retries with unless told otherwise.
+DEFAULT_RETRY = RetryPolicy()
+
+
 class _Retryable(Exception):
     """A failure worth another try."""
 
@@ -176,7 +180,7 @@ class RangeClient:
             )
         self.concurrency = concurrency
         self.chunk_bytes = chunk_bytes
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or DEFAULT_RETRY
         self.base_headers = {
             "User-Agent": f"keras-hub-dist/{_version()}",
             "X-Khd-Process": str(process_index),

@@ -108,3 +108,42 @@ def test_remote_load_equals_local_and_reads_only_the_blocks(checkpoints, remote_
             gets = [r for r in remote.requests(name) if r.method == "GET" and r.start is not None]
             assert len(gets) <= metadata_reads + tensors, (name, len(gets))
         del model, loaded, reference
+
+
+def test_causal_lm_with_its_tokenizer_and_verified_checksums(tmp_path, remote_checkpoint):
+    source = write_synthetic_preset(
+        str(tmp_path / "gemma"), keras_hub.models.GemmaBackbone, dtype="float32", tokenizer=True,
+        seed=8, **dict(SMALL, head_dim=8))
+    lm = load_sharded_preset(source, mesh=(1, 8), task="causal_lm", progress=False)
+    save_sharded_preset(lm, str(tmp_path / "saved"))  # records checksums
+    keras.distribution.set_distribution(None)
+    remote = remote_checkpoint(str(tmp_path / "saved"), schemes=["hf"])["hf"]
+    ours = load_sharded_preset(remote.url, mesh=(2, 4), task="causal_lm", verify=True, progress=False)
+    prompts = ["the quick brown", "a fox"]
+    ours_tokens = ours.generate(prompts, max_length=12)
+    keras.distribution.set_distribution(None)
+    local = load_sharded_preset(str(tmp_path / "saved"), mesh=(2, 4), task="causal_lm", progress=False)
+    assert ours_tokens == local.generate(prompts, max_length=12)
+    # verify=True hashed the remote file (split over the fetch threads).
+    assert remote.bytes_sent("model.weights.h5", process=0) >= 2 * os.path.getsize(
+        tmp_path / "saved" / "model.weights.h5") * 0.99
+
+
+def test_verify_names_a_remote_byte_range_that_changed(tmp_path, remote_checkpoint, clean_state):
+    import shutil
+
+    source = write_synthetic_preset(
+        str(tmp_path / "llama"), keras_hub.models.LlamaBackbone, dtype="float32", seed=9, **SMALL)
+    model = load_sharded_preset(source, mesh=(1, 8), progress=False)
+    save_sharded_preset(model, str(tmp_path / "saved"))
+    keras.distribution.set_distribution(None)
+    del model
+    changed = tmp_path / "changed"
+    shutil.copytree(tmp_path / "saved", changed)
+    weights = changed / "model.weights.h5"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    remote = remote_checkpoint(str(changed), schemes=["s3"])["s3"]
+    with clean_state(), pytest.raises(Exception, match=r"bytes 0:\d+ of .*model.weights.h5.* changed since saving"):
+        load_sharded_preset(remote.url, mesh=(1, 8), verify=True, progress=False)
