@@ -199,16 +199,20 @@ class RangeClient:
             ),
         )
         self._threads = ThreadPoolExecutor(concurrency, "keras_hub_dist-fetch")
-        self._closed = threading.Event()
+        self._stopped = threading.Event()
         self.requests = 0
         self.bytes_received = 0
         self._lock = threading.Lock()
 
+    def cancel(self) -> None:
+        """Stops retrying: a request that fails now raises at once (a load
+        that failed elsewhere does not wait out the others' backoffs)."""
+        self._stopped.set()
+
     def close(self) -> None:
-        if not self._closed.is_set():
-            self._closed.set()
-            self._threads.shutdown(wait=True, cancel_futures=True)
-            self._pool.clear()
+        self._stopped.set()
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        self._pool.clear()
 
     def __enter__(self) -> RangeClient:
         return self
@@ -241,6 +245,8 @@ class RangeClient:
         cause: Exception | None = None
         for attempt in range(self.retry.attempts):
             if attempt:
+                if self._stopped.is_set():
+                    break
                 time.sleep(self.retry.delay(attempt - 1, getattr(cause, "retry_after", None)))
             try:
                 signed = {**all_headers, **signer.headers(method, url, all_headers)}
@@ -376,7 +382,7 @@ class RemoteFile:
         cause: Exception | None = None
         for attempt in range(retry.attempts):
             if attempt:
-                if self.client._closed.is_set():
+                if self.client._stopped.is_set():
                     break
                 time.sleep(retry.delay(attempt - 1, getattr(cause, "retry_after", None)))
             received = 0

@@ -375,6 +375,7 @@ def execute_plan(
     num_threads: int = 2,
     prefetch_threads: int | None = None,
     prefetch_bytes: int = PREFETCH_BYTES,
+    on_failure: Callable[[], None] | None = None,
 ) -> ExecuteStats:
     """Reads and places every variable of `plan`, calling `on_variable` per one.
 
@@ -394,6 +395,8 @@ def execute_plan(
             more, as their reads wait on the network).
         prefetch_bytes: The most host bytes read ahead of the variable being
             placed.
+        on_failure: Called first when the load fails, before waiting for
+            the reads in flight (e.g. to stop a remote client's retries).
 
     Returns:
         `ExecuteStats` of this process.
@@ -453,6 +456,8 @@ def execute_plan(
                 ) from e
         jax.block_until_ready(created)
     except BaseException:
+        if on_failure is not None:
+            on_failure()
         prefetch.close()
         for array in created:
             try:

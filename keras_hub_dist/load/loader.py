@@ -273,6 +273,7 @@ def _load(
                 source, location, mesh, layout_map, dtype, task, progress, model_axis,
                 data_axis, task_kwargs, num_threads, verify,
                 prefetch_threads=max(num_threads, concurrency) if remote else num_threads,
+                on_failure=None if client is None else client.cancel,
             )
     finally:
         if client is not None:
@@ -293,6 +294,7 @@ def _load_from(
     num_threads: int,
     verify: bool,
     prefetch_threads: int,
+    on_failure: Any,
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     config = read_config(location)
     checkpoint = checkpoint_format(config, source.label)
@@ -345,7 +347,7 @@ def _load_from(
         bar = byte_progress(plan.read_bytes, f"Loading {source.short}", progress)
         stats = execute_plan(
             plan, shardings, devices, fill, progress=bar, num_threads=num_threads,
-            prefetch_threads=prefetch_threads,
+            prefetch_threads=prefetch_threads, on_failure=on_failure,
         )
         with distribution.scope():
             # Variables Keras never saves (e.g. seed generator states) get
