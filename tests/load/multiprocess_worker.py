@@ -31,6 +31,11 @@ def main() -> None:
     from jax.sharding import NamedSharding, PartitionSpec
 
     import keras_hub_dist
+    from keras_hub_dist.load import block_plan
+
+    # Tests of small models may ask large-block paths to be taken anyway.
+    if os.environ.get("KHD_DEVICE_TRANSPOSE_MIN_BYTES"):
+        block_plan.DEVICE_TRANSPOSE_MIN_BYTES = int(os.environ["KHD_DEVICE_TRANSPOSE_MIN_BYTES"])
 
     # KerasHub's model.weights.h5, or a Hugging Face checkpoint's shards.
     weights_files = {

@@ -119,10 +119,17 @@ def test_each_process_reads_only_its_shards(
 
 
 
-def test_hugging_face_checkpoint_each_process_reads_only_its_share(tmp_path):
+@pytest.mark.parametrize("mesh,device_transposes", [("1x8", False), ("2x4", True)])
+def test_hugging_face_checkpoint_each_process_reads_only_its_share(
+    tmp_path, monkeypatch, mesh, device_transposes
+):
     """The same guarantees for a Hugging Face checkpoint: each process reads
-    exactly the bytes of the blocks its devices hold (transposed kernels
-    included), and the model computes the single-process logits."""
+    only bytes of the blocks its devices hold (transposed kernels included),
+    the job every byte once, and the model computes the single-process
+    logits. On 2x4 every block is held on both processes (exchanged), and
+    every kernel is transposed on the devices, as large ones are."""
+    if device_transposes:
+        monkeypatch.setenv("KHD_DEVICE_TRANSPOSE_MIN_BYTES", "0")
     from tests.formats.hf import dense
     from tests.formats.hf.writer import write_hf_checkpoint
 
@@ -134,7 +141,7 @@ def test_hugging_face_checkpoint_each_process_reads_only_its_share(tmp_path):
     preset = write_hf_checkpoint(str(tmp_path / "hf_llama"), config, tensors, num_shards=2)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    reports = _run_job(preset, 2, 4, "1x8", out_dir)
+    reports = _run_job(preset, 2, 4, mesh, out_dir)
     file_bytes = sum(t.nbytes for t in tensors.values())
     header_bytes = 0
     for name in os.listdir(preset):
@@ -155,7 +162,7 @@ def test_hugging_face_checkpoint_each_process_reads_only_its_share(tmp_path):
         assert sum(n for _, n in report["header_reads"]) == header_bytes
         total += read_bytes
     assert total == file_bytes  # every byte once over the job, norms included
-    reference = _reference_logits(preset, "1x8")
+    reference = _reference_logits(preset, mesh)
     for process_id in range(2):
         logits = np.load(out_dir / f"logits_{process_id}.npy")
         np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)
