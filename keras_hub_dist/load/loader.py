@@ -42,6 +42,7 @@ keras.distribution.distribution()  # -> the ModelParallel used to load
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -182,12 +183,13 @@ def load_sharded_preset(
     else:
         sampler = contextlib.nullcontext()
     start = time.perf_counter()
+    options = _Options(
+        mesh, layout_map, dtype, task, progress, model_axis, data_axis,
+        dict(task_kwargs or {}), num_threads, verify, concurrency,
+        None if cache_dir is None else os.fspath(cache_dir),
+    )
     with sampler:
-        model, plan, stats, index, label = _load(
-            preset, mesh, layout_map, dtype, task, progress, model_axis, data_axis,
-            dict(task_kwargs or {}), num_threads, verify, concurrency,
-            None if cache_dir is None else os.fspath(cache_dir),
-        )
+        model, plan, stats, index, label = _load(preset, options)
     wall = time.perf_counter() - start
     if not memory_report:
         return model
@@ -247,60 +249,56 @@ def _variable_bytes(var: Any) -> int:
     return math.prod(var.shape) * var.target_dtype.itemsize
 
 
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """`load_sharded_preset`'s arguments, as the phases of a load use them."""
+
+    mesh: Any
+    layout_map: Any
+    dtype: Any
+    task: Any
+    progress: bool | None
+    model_axis: str
+    data_axis: str
+    task_kwargs: dict[str, Any]
+    num_threads: int
+    verify: bool
+    concurrency: int
+    cache_dir: str | None
+
+
 def _load(
-    preset: Any,
-    mesh: Any,
-    layout_map: Any,
-    dtype: Any,
-    task: Any,
-    progress: bool | None,
-    model_axis: str,
-    data_axis: str,
-    task_kwargs: dict[str, Any],
-    num_threads: int,
-    verify: bool,
-    concurrency: int,
-    cache_dir: str | None,
+    preset: Any, options: _Options
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     # Phase 1: resolve and validate; no device memory is used.
-    _check_dtype(dtype)
+    _check_dtype(options.dtype)
     source = resolve_source(preset)
-    remote = is_remote(source.ref)
-    client = RangeClient(concurrency, process_index=jax.process_index()) if remote else None
+    client = None
+    if is_remote(source.ref):
+        client = RangeClient(options.concurrency, process_index=jax.process_index())
     try:
-        with open_location(source.ref, source.label, client=client, cache_dir=cache_dir) as location:
-            return _load_from(
-                source, location, mesh, layout_map, dtype, task, progress, model_axis,
-                data_axis, task_kwargs, num_threads, verify,
-                prefetch_threads=max(num_threads, concurrency) if remote else num_threads,
-                on_failure=None if client is None else client.cancel,
-            )
+        with open_location(
+            source.ref, source.label, client=client, cache_dir=options.cache_dir
+        ) as location:
+            return _load_from(source, location, client, options)
     finally:
         if client is not None:
             client.close()
 
 
 def _load_from(
-    source: PresetSource,
-    location: Location,
-    mesh: Any,
-    layout_map: Any,
-    dtype: Any,
-    task: Any,
-    progress: bool | None,
-    model_axis: str,
-    data_axis: str,
-    task_kwargs: dict[str, Any],
-    num_threads: int,
-    verify: bool,
-    prefetch_threads: int,
-    on_failure: Any,
+    source: PresetSource, location: Location, client: RangeClient | None, options: _Options
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
+    mesh, layout_map, model_axis, data_axis = (
+        options.mesh, options.layout_map, options.model_axis, options.data_axis
+    )
+    # A remote load's reads wait on the network: more of them run ahead.
+    read_ahead = options.num_threads if client is None else max(options.num_threads, options.concurrency)
     config = read_config(location)
     checkpoint = checkpoint_format(config, source.label)
     backbone_cls, backbone_config = checkpoint.backbone_config(config, source.label)
     metadata = read_metadata(location)
-    task_cls = task_class(task, backbone_cls, metadata, source.label) if task else None
+    task_cls = task_class(options.task, backbone_cls, metadata, source.label) if options.task else None
     if mesh is None and isinstance(layout_map, keras.distribution.LayoutMap):
         device_mesh = layout_map.device_mesh
     else:
@@ -309,13 +307,12 @@ def _load_from(
     # Exactly what `Backbone.from_preset(preset, dtype=dtype)` does: the
     # argument (None included, i.e. Keras's global dtype policy) replaces the
     # saved policy.
-    backbone, deferred = build_without_values(backbone_cls, {**backbone_config, "dtype": dtype})
+    backbone, deferred = build_without_values(backbone_cls, {**backbone_config, "dtype": options.dtype})
     try:
         index = checkpoint.index_checkpoint(backbone, location, source.label, config)
-        if verify:
+        if options.verify:
             checksums.verify_files(
-                index.opened or index.files, metadata, source.label,
-                num_threads=prefetch_threads,
+                index.opened or index.files, metadata, source.label, num_threads=read_ahead
             )
         if layout_map is None:
             resolved_map = default_layout_map(backbone, device_mesh, model_axis, data_axis)
@@ -344,10 +341,10 @@ def _load_from(
                 variables[id(var_plan)], array, layouts[var_plan.path]
             )
 
-        bar = byte_progress(plan.read_bytes, f"Loading {source.short}", progress)
+        bar = byte_progress(plan.read_bytes, f"Loading {source.short}", options.progress)
         stats = execute_plan(
-            plan, shardings, devices, fill, progress=bar, num_threads=num_threads,
-            prefetch_threads=prefetch_threads, on_failure=on_failure,
+            plan, shardings, devices, fill, progress=bar, num_threads=options.num_threads,
+            prefetch_threads=read_ahead, on_failure=None if client is None else client.cancel,
         )
         with distribution.scope():
             # Variables Keras never saves (e.g. seed generator states) get
@@ -358,7 +355,7 @@ def _load_from(
                     _compat.initialize_pending([v])
             model = backbone
             if task_cls is not None:
-                model = build_task(task_cls, location, backbone, task_kwargs)
+                model = build_task(task_cls, location, backbone, options.task_kwargs)
     except BaseException:
         for v in deferred:
             value = _compat.variable_array(v)
