@@ -129,8 +129,6 @@ class Signer(Protocol):
 
     def credential_source(self) -> str: ...
 
-    def describe_missing(self, url: str) -> str: ...
-
 
 # What a `RangeClient` retries with unless told otherwise.
 DEFAULT_RETRY = RetryPolicy()
@@ -161,9 +159,10 @@ class RangeClient:
     Args:
         concurrency: Requests in flight at once (connections per host too).
         chunk_bytes: The largest range one request asks for.
-        retry: The `RetryPolicy`.
-        user_agent: Sent with every request; the process index is sent as
-            `X-Khd-Process` so a server's logs tell processes apart.
+        retry: The `RetryPolicy` (default `DEFAULT_RETRY`).
+        process_index: Sent as `X-Khd-Process` with every request (beside a
+            `keras-hub-dist/<version>` User-Agent), so a server's logs tell
+            the processes of a job apart.
     """
 
     def __init__(
