@@ -10,8 +10,9 @@ connections:
 - a stretch is cut into requests of at most `chunk_bytes`, so one large
   tensor is fetched over many connections at once, and adjacent pieces
   (scattered into several blocks' buffers) share a request;
-- each response body is read with `readinto` straight into the destination
-  buffers (no intermediate copy of a response, a tensor or a file);
+- each response body is read from the socket straight into the destination
+  buffers (`http.client`'s `readinto`: no intermediate copy of a response, a
+  tensor or a file);
 - a failure that may pass (a connection reset, a timeout, a short body, HTTP
   429 or 5xx) is retried with exponential backoff and the request resumes
   from the byte reached; what arrived stays;
@@ -47,6 +48,7 @@ remote.read_stretches([(4096, [memoryview(buffer)])])
 from __future__ import annotations
 
 import email.utils
+import http.client
 import importlib.metadata
 import random
 import re
@@ -293,6 +295,20 @@ class RangeClient:
             raise failed[0].exception()
 
 
+def _body_readinto(response: Any) -> Callable[[memoryview], int]:
+    """The body's `readinto` that fills the caller's buffer straight from
+    the socket and, when the connection breaks, returns what did arrive.
+
+    urllib3's own `readinto` reads into a new `bytes` and copies it (a second
+    copy of every byte), and raises on a cut body, losing that read's bytes;
+    the `http.client` response it wraps (`_fp`, an attribute of urllib3's
+    `HTTPResponse` since 1.x) does neither."""
+    raw = getattr(response, "_fp", None)
+    if isinstance(raw, http.client.HTTPResponse):
+        return raw.readinto
+    return response.readinto
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("keras-hub-dist")
@@ -423,15 +439,16 @@ class RemoteFile:
         received = 0
         try:
             self._check(response, start, end, length)
+            readinto = _body_readinto(response)
             for view in buffers:
                 position = 0
                 while position < len(view):
-                    n = response.readinto(view[position : position + _READ_STEP])
+                    n = readinto(view[position : position + _READ_STEP])
                     if not n:
                         raise _Retryable(f"the body ended after {received} of {length} bytes")
                     position += n
                     received += n
-        except (_Retryable, urllib3.exceptions.HTTPError, OSError) as e:
+        except (_Retryable, urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as e:
             cause = e if isinstance(e, _Retryable) else _Retryable(f"{type(e).__name__}: {e}")
             raise _PartialRead(received, cause) from e
         finally:
