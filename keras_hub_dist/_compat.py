@@ -37,6 +37,10 @@ __all__ = [
     "preset_file",
     "preset_has_file",
     "preset_file_names",
+    "leaf_layers",
+    "quantization_modes",
+    "quantize_layer_structure",
+    "quantized_layer_info",
     "require_jax_backend",
     "save_preset_config",
     "save_preset_metadata",
@@ -540,3 +544,57 @@ def preset_has_file(preset: str, name: str) -> bool:
 def builtin_preset_names() -> list[str]:
     """Names of KerasHub's built-in presets (`"gemma_7b_en"`, ...)."""
     return list(getattr(_preset_utils(), "BUILTIN_PRESETS", {}))
+
+
+# --- Quantization (`quantize="int8" | "int4"`) -------------------------------
+# `Layer.quantize` computes values and builds the quantized variables at once;
+# the structure alone (no float value allocated) replays its private steps.
+from keras.src import dtype_policies as _dtype_policies  # noqa: E402
+from keras.src.quantizers import quantization_config as _quantization_config  # noqa: E402
+
+
+def quantization_modes() -> tuple[str, ...]:
+    """The quantization modes this Keras knows (`Layer.quantize` checks)."""
+    return tuple(_dtype_policies.QUANTIZATION_MODES)
+
+
+def leaf_layers(model: Any) -> list[Any]:
+    """The layers `Model.quantize` visits: every layer without sublayers."""
+    return [l for l in model._flatten_layers() if len(list(l._flatten_layers())) == 1]
+
+
+def quantized_layer_info(layer: Any) -> dict[str, Any]:
+    """An einsum's kernel reduction analysis (set as `quantize` sets it) and,
+    once quantized, the int4 block size and float kernel shape Keras kept."""
+    info: dict[str, Any] = {}
+    if hasattr(layer, "_set_quantization_info"):
+        layer._set_quantization_info()
+        for name in ("reduced", "transpose", "expand", "squeeze"):
+            info[name] = tuple(getattr(layer, f"_kernel_{name}_axes"))
+    for key, attribute in (("block_size", "_int4_block_size"), ("float_shape", "original_kernel_shape")):
+        if hasattr(layer, attribute):
+            info[key] = getattr(layer, attribute)
+    return info
+
+
+def quantize_layer_structure(layer: Any, mode: str, float_shape: tuple[int, ...]) -> Any:
+    """`layer.quantize(mode)` without values: Keras's checks, the float
+    variables untracked (without the `gc.collect()` of `del`), Keras's own
+    `quantized_build` (deferred inside `creating_variables_without_values`)
+    and the dtype policy. Returns the resolved `QuantizationConfig`."""
+    config = _quantization_config.validate_and_resolve_config(mode, None)
+    layer._check_quantize_args(config.mode, layer.compute_dtype)
+    names = ["_embeddings" if hasattr(layer, "_embeddings") else "_kernel"]
+    names += ["reverse_embeddings"] if getattr(layer, "reverse_embeddings", None) is not None else []
+    layer._tracker.unlock()
+    try:
+        layer.quantization_config = config
+        for name in names:
+            layer._untrack_variable(getattr(layer, name))
+            object.__delattr__(layer, name)
+        layer.quantized_build(float_shape, config.mode, config)
+        policy = mode if mode != "int4" else f"int4/{config.block_size or -1}"
+        layer.dtype_policy = keras.dtype_policies.get(f"{policy}_from_{layer.dtype_policy.name}")
+    finally:
+        layer._tracker.lock()
+    return config

@@ -57,6 +57,7 @@ from keras_hub_dist.formats import checksums
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.transforms import fallbacks
+from keras_hub_dist.load import quantized
 from keras_hub_dist.load.block_plan import LoadPlan, VariableRequest, plan_load
 from keras_hub_dist.load.execute import ExecuteStats, execute_plan
 from keras_hub_dist.load.report import LoadReport
@@ -65,6 +66,9 @@ from keras_hub_dist.load.tasks import build_task, task_class
 from keras_hub_dist.plan.abstract import build_without_values
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
 from keras_hub_dist.plan.mesh import jax_mesh
+from keras_hub_dist.plan import quantization
+from keras_hub_dist.plan.quantization import check_quantize_arguments
+from keras_hub_dist.plan.quantized_layouts import QuantizationAwareModelParallel
 from keras_hub_dist.plan.model_layouts import (
     default_layout_map,
     user_layout_map,
@@ -88,6 +92,7 @@ def load_sharded_preset(
     task_kwargs: Mapping[str, Any] | None = None,
     num_threads: int = 2,
     verify: bool = False,
+    quantize: str | None = None,
 ) -> keras.Model | tuple[keras.Model, LoadReport]:
     """Loads a KerasHub preset directly into its final sharding.
 
@@ -145,6 +150,13 @@ def load_sharded_preset(
             `save_sharded_preset` recorded in metadata.json before any
             device memory is used (a full read of the files, split over the
             processes). A preset without checksums is an error then.
+        quantize: `"int8"` or `"int4"` to get the model `model.quantize(mode)`
+            gives, bitwise, without the float model ever on a device: each
+            quantized block is computed on the host from the float block as
+            it is read (Keras's own NumPy steps), and only quantized blocks
+            are placed. `dtype` stays the float dtype (scales, activations).
+            A quantized preset (saved after `quantize`) loads as it is,
+            without this argument.
 
     Returns:
         The backbone (or task) model, or `(model, LoadReport)` with
@@ -158,7 +170,10 @@ def load_sharded_preset(
             architecture; an unknown task.
         LayoutError: Mesh axis names the layout map does not use, or a
             dimension the mesh does not divide (the message names the
-            variable and suggests a mesh that works).
+            variable and suggests a mesh that works; for int4, the packed
+            axis).
+        QuantizationError: An unknown `quantize` mode, one this Keras lacks,
+            or a `dtype` it cannot take (e.g. `dtype="int8"`).
     """
     if memory_report:
         # Imported here: measuring is optional and lives with validation.
@@ -171,7 +186,7 @@ def load_sharded_preset(
     with sampler:
         model, plan, stats, index, label = _load(
             preset, mesh, layout_map, dtype, task, progress, model_axis, data_axis,
-            dict(task_kwargs or {}), num_threads, verify,
+            dict(task_kwargs or {}), num_threads, verify, quantize,
         )
     wall = time.perf_counter() - start
     if not memory_report:
@@ -218,8 +233,10 @@ def _load(
     task_kwargs: dict[str, Any],
     num_threads: int,
     verify: bool,
+    quantize: str | None = None,
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     # Phase 1: resolve and validate; no device memory is used.
+    mode = check_quantize_arguments(quantize, dtype)
     source = resolve_source(preset)
     config = read_config(source)
     checkpoint = checkpoint_format(config, source.label)
@@ -233,8 +250,10 @@ def _load(
 
     # Exactly what `Backbone.from_preset(preset, dtype=dtype)` does: the
     # argument (None included, i.e. Keras's global dtype policy) replaces the
-    # saved policy.
-    backbone, deferred = build_without_values(backbone_cls, {**backbone_config, "dtype": dtype})
+    # saved policy, except a quantized preset's policy map, which is kept.
+    backbone_config = quantized.preset_config(backbone_config, dtype, mode, source.label)
+    backbone, deferred = build_without_values(backbone_cls, backbone_config)
+    quantizing = None
     try:
         index = checkpoint.index_checkpoint(backbone, source.ref, source.label, config)
         if verify:
@@ -243,7 +262,12 @@ def _load(
             resolved_map = default_layout_map(backbone, device_mesh, model_axis, data_axis)
         else:
             resolved_map = user_layout_map(layout_map, device_mesh)
-        distribution = keras.distribution.ModelParallel(
+        float_map = resolved_map
+        if mode is not None and not quantization.quantized_tensors(backbone):
+            quantizing = quantized.quantize_checkpoint(backbone, index, mode)
+            index, deferred = quantizing.index, quantizing.pending(deferred)
+        resolved_map = quantized.quantized_layout_map(backbone, resolved_map, float_map)
+        distribution = QuantizationAwareModelParallel(
             layout_map=resolved_map,
             batch_dim_name=data_axis if data_axis in device_mesh.axis_names else None,
         )
@@ -260,11 +284,16 @@ def _load(
         # in every layer; the layout, chosen by path, is the same for all.
         variables = {id(p): e.variable for p, e in zip(plan.variables, index.entries)}
 
+        if quantizing is not None:
+            quantized.run_combine(plan, shardings, quantizing.quantizers)
+
         # Phase 2: read and place, straight into the final shardings.
         def fill(var_plan: Any, array: jax.Array) -> None:
             _compat.materialize_deferred_variable(
                 variables[id(var_plan)], array, layouts[var_plan.path]
             )
+            if quantizing is not None:
+                quantizing.filled(variables[id(var_plan)])
 
         bar = byte_progress(plan.read_bytes, f"Loading {source.short}", progress)
         stats = execute_plan(
@@ -280,6 +309,8 @@ def _load(
             model = backbone
             if task_cls is not None:
                 model = build_task(task_cls, source, backbone, task_kwargs)
+            # A later `model.quantize(...)` finds its variables' layouts.
+            distribution.cover(backbone)
     except BaseException:
         for v in deferred:
             value = _compat.variable_array(v)
