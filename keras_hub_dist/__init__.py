@@ -45,6 +45,7 @@ from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
 from keras_hub_dist.errors import UnconvertedWeightsWarning  # noqa: E402
 from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
 from keras_hub_dist.errors import PresetError  # noqa: E402
+from keras_hub_dist.errors import QuantizationError  # noqa: E402
 from keras_hub_dist.errors import SaveError  # noqa: E402
 from keras_hub_dist.errors import UnknownPresetError  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedGlorotNormal  # noqa: E402
@@ -89,6 +90,7 @@ __all__ = [
     "MemorySampler",
     "MissingLayoutWarning",
     "PresetError",
+    "QuantizationError",
     "SaveError",
     "UnknownPresetError",
     "abstract_backbone",

@@ -24,6 +24,7 @@ __all__ = [
     "deferred_variables",
     "distribution_layout_map",
     "draw_seed",
+    "einsum_reduction",
     "forget_deferred_variables",
     "H5IOStore",
     "host_array",
@@ -38,9 +39,9 @@ __all__ = [
     "preset_has_file",
     "preset_file_names",
     "leaf_layers",
+    "own_dtype_policies",
     "quantization_modes",
     "quantize_layer_structure",
-    "quantized_layer_info",
     "require_jax_backend",
     "save_preset_config",
     "save_preset_metadata",
@@ -549,13 +550,12 @@ def builtin_preset_names() -> list[str]:
 # --- Quantization (`quantize="int8" | "int4"`) -------------------------------
 # `Layer.quantize` computes values and builds the quantized variables at once;
 # the structure alone (no float value allocated) replays its private steps.
-from keras.src import dtype_policies as _dtype_policies  # noqa: E402
 from keras.src.quantizers import quantization_config as _quantization_config  # noqa: E402
 
 
 def quantization_modes() -> tuple[str, ...]:
     """The quantization modes this Keras knows (`Layer.quantize` checks)."""
-    return tuple(_dtype_policies.QUANTIZATION_MODES)
+    return tuple(_quantization_config.QUANTIZATION_MODES)
 
 
 def leaf_layers(model: Any) -> list[Any]:
@@ -563,25 +563,23 @@ def leaf_layers(model: Any) -> list[Any]:
     return [l for l in model._flatten_layers() if len(list(l._flatten_layers())) == 1]
 
 
-def quantized_layer_info(layer: Any) -> dict[str, Any]:
-    """An einsum's kernel reduction analysis (set as `quantize` sets it) and,
-    once quantized, the int4 block size and float kernel shape Keras kept."""
-    info: dict[str, Any] = {}
-    if hasattr(layer, "_set_quantization_info"):
-        layer._set_quantization_info()
-        for name in ("reduced", "transpose", "expand", "squeeze"):
-            info[name] = tuple(getattr(layer, f"_kernel_{name}_axes"))
-    for key, attribute in (("block_size", "_int4_block_size"), ("float_shape", "original_kernel_shape")):
-        if hasattr(layer, attribute):
-            info[key] = getattr(layer, attribute)
-    return info
+def einsum_reduction(layer: Any) -> dict[str, tuple[int, ...]]:
+    """An `EinsumDense`'s kernel reduction analysis (set as `quantize` does)."""
+    layer._set_quantization_info()
+    return {n: tuple(getattr(layer, f"_kernel_{n}_axes")) for n in ("reduced", "transpose", "expand", "squeeze")}
+
+
+def own_dtype_policies(model: Any) -> None:
+    """Gives each layer built with a quantized `DTypePolicyMap` entry that policy
+    as its own, as `quantize` does (saving reads the map's mode: None)."""
+    for layer in model._flatten_layers():
+        if isinstance(layer._dtype_policy, keras.dtype_policies.DTypePolicyMap) and layer.quantization_mode:
+            layer._dtype_policy = layer._dtype_policy[layer.path]
 
 
 def quantize_layer_structure(layer: Any, mode: str, float_shape: tuple[int, ...]) -> Any:
-    """`layer.quantize(mode)` without values: Keras's checks, the float
-    variables untracked (without the `gc.collect()` of `del`), Keras's own
-    `quantized_build` (deferred inside `creating_variables_without_values`)
-    and the dtype policy. Returns the resolved `QuantizationConfig`."""
+    """`layer.quantize(mode)` without values: Keras's checks, float variables
+    untracked (no `gc.collect()` as `del` runs), `quantized_build`, policy."""
     config = _quantization_config.validate_and_resolve_config(mode, None)
     layer._check_quantize_args(config.mode, layer.compute_dtype)
     names = ["_embeddings" if hasattr(layer, "_embeddings") else "_kernel"]

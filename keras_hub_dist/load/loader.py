@@ -253,6 +253,7 @@ def _load(
     # saved policy, except a quantized preset's policy map, which is kept.
     backbone_config = quantized.preset_config(backbone_config, dtype, mode, source.label)
     backbone, deferred = build_without_values(backbone_cls, backbone_config)
+    _compat.own_dtype_policies(backbone)  # a quantized preset's layers
     quantizing = None
     try:
         index = checkpoint.index_checkpoint(backbone, source.ref, source.label, config)

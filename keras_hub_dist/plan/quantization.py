@@ -274,6 +274,20 @@ def _layer_kind(layer: Any) -> str | None:
     return _KINDS.get(type(layer))
 
 
+def _layer_info(layer: Any, kind: str) -> dict[str, Any]:
+    """An einsum's reduction analysis; a quantized layer's int4 block size
+    (its policy's) and float kernel shape (`original_kernel_shape`)."""
+    info: dict[str, Any] = dict(_compat.einsum_reduction(layer)) if kind == "einsum" else {}
+    policy = layer.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        policy = policy[layer.path]
+    block = getattr(policy, "block_size", None)
+    info["block_size"] = None if block in (None, -1) else block
+    if getattr(layer, "original_kernel_shape", None) is not None:
+        info["float_shape"] = tuple(int(d) for d in layer.original_kernel_shape)
+    return info
+
+
 def _own_variable(layer: Any, name: str) -> Any:
     """The layer's variable `name` (found by path: no property that would
     compute, e.g. unpack an int4 kernel, is read)."""
@@ -296,7 +310,7 @@ def _float_tensors(layer: Any, kind: str, info: dict[str, Any]) -> list[tuple[st
 
 def _describe(layer: Any, kind: str, mode: str, removed: Sequence[Any] = ()) -> list[QuantizedTensor]:
     """The `QuantizedTensor`s of a quantized layer."""
-    info = _compat.quantized_layer_info(layer)
+    info = _layer_info(layer, kind)
     out = []
     for k, (which, shape) in enumerate(_float_tensors(layer, kind, info)):
         rule = _rule(kind, which, mode, shape, info)
@@ -401,7 +415,7 @@ def quantize_without_values(model: keras.Model, mode: str) -> QuantizedModel:
             if isinstance(layer, tuple(_KINDS)) or _has_weights(layer):
                 skipped.append(layer.path)
             continue
-        floats = _float_tensors(layer, kind, _compat.quantized_layer_info(layer))
+        floats = _float_tensors(layer, kind, _layer_info(layer, kind))
         float_variables = [_own_variable(layer, which) for which, _ in floats]
         with _compat.creating_variables_without_values() as new:
             _compat.quantize_layer_structure(layer, mode, floats[0][1])
@@ -451,7 +465,7 @@ def prospective_tensors(
         kind = _layer_kind(layer)
         if kind is None or getattr(layer, "quantization_mode", None) is not None:
             continue
-        info = {**_compat.quantized_layer_info(layer), "block_size": block}
+        info = {**_layer_info(layer, kind), "block_size": block}
         for which, shape in _float_tensors(layer, kind, info):
             rule = _rule(kind, which, mode, shape, info)
             prefix = "kernel" if kind in ("dense", "einsum") else which

@@ -20,8 +20,10 @@ layout implies:
   axes that do not stay contiguous) the mesh axes go to `M`'s rows, then its
   columns, where they divide: the same bytes per device, other elements.
   The packed axis (two values per byte) must stay divisible by its mesh
-  axes; where it does not, `LayoutError` names the variable, the packed
-  length and the axis sizes that would divide it. Scale and zero follow
+  axes; where it is not (a router of 8 experts packs into 4 bytes) they
+  move to the matrix's other axis if that is unsharded and divisible (a
+  `LayoutFallbackWarning`), else `LayoutError` names the variable, the
+  packed length and the axis sizes that would divide it. Scale and zero follow
   `M`'s kept axis; along the grouped axis they follow `M`'s entry where each
   device's rows are whole groups (else that axis is replicated: they are
   1/128 of the values). `g_idx` follows the grouped axis.
@@ -43,12 +45,13 @@ axes[tensor.scale.path]     # ('model',) for a Dense int8 kernel (None, 'model')
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import keras
 
-from keras_hub_dist.errors import LayoutError
+from keras_hub_dist.errors import LayoutError, LayoutFallbackWarning
 from keras_hub_dist.plan import quantization, specs
 from keras_hub_dist.plan.quantization import Int4Rule, Int8Rule, QuantizedTensor
 
@@ -130,7 +133,10 @@ def _packed_error(path: str, axis: int, length: int, values: int, entry: Any, si
 
 
 def quantized_axes(
-    tensor: QuantizedTensor, float_axes: Sequence[Any], sizes: Mapping[str, int]
+    tensor: QuantizedTensor,
+    float_axes: Sequence[Any],
+    sizes: Mapping[str, int],
+    fallbacks: list[str] | None = None,
 ) -> dict[str, Axes]:
     """Variable path -> axes for the variables of one quantized tensor.
 
@@ -139,9 +145,14 @@ def quantized_axes(
         float_axes: The layout axes of its float tensor (already checked
             against the float shape).
         sizes: Mesh axis sizes.
+        fallbacks: Receives a line per int4 kernel whose packed axis could
+            not keep its mesh axes, which moved to the other (unsharded,
+            divisible) axis of the matrix, e.g. an 8-expert router's 4 bytes
+            on 8 devices.
 
     Raises:
-        LayoutError: The mesh axes on the int4 packed axis do not divide it.
+        LayoutError: The mesh axes on the int4 packed axis divide neither it
+            nor the other axis (which must be unsharded to take them).
     """
     rule = tensor.rule
     float_axes = tuple(float_axes) + (None,) * (len(tensor.float_shape) - len(tuple(float_axes)))
@@ -153,9 +164,21 @@ def quantized_axes(
     packed = (rule.matrix[rule.pack_axis] + 1) // 2
     entry = m_axes[rule.pack_axis]
     if _sharded(entry, sizes) and packed % _parts(entry, sizes):
-        raise _packed_error(
-            tensor.values.path, rule.pack_axis, packed, rule.matrix[rule.pack_axis], entry, sizes
-        )
+        other = 1 - rule.pack_axis
+        if _sharded(m_axes[other], sizes) or rule.matrix[other] % _parts(entry, sizes):
+            raise _packed_error(
+                tensor.values.path, rule.pack_axis, packed, rule.matrix[rule.pack_axis], entry, sizes
+            )
+        # The other axis takes the mesh axes (e.g. a router's few experts).
+        moved = [None, None]
+        moved[other] = entry
+        m_axes = tuple(moved)
+        if fallbacks is not None:
+            fallbacks.append(
+                f"{tensor.values.path}: int4 packed axis {rule.pack_axis} ({packed} "
+                f"bytes) not divisible by {specs.entry_axes(entry)}; sharded "
+                f"along axis {other} ({rule.matrix[other]}) instead"
+            )
     out = {tensor.values.path: m_axes}
     kept = 1 - rule.group_axis
     if not rule.block_size:
@@ -193,12 +216,20 @@ def add_quantized_entries(
     """
     sizes = dict(zip(layout_map.device_mesh.axis_names, layout_map.device_mesh.shape))
     keys = set(layout_map.keys())  # `in` would match regexes (None: found)
+    fallbacks: list[str] = []
     for tensor in tensors:
-        for path, axes in quantized_axes(tensor, float_axes[tensor.float_path], sizes).items():
+        for path, axes in quantized_axes(tensor, float_axes[tensor.float_path], sizes, fallbacks).items():
             if path in keys:
                 del layout_map[path]
             layout_map[path] = axes
             keys.add(path)
+    if fallbacks:
+        warnings.warn(
+            f"{len(fallbacks)} int4 kernel(s) could not keep their float "
+            f"kernel's layout on mesh {sizes}:\n  " + "\n  ".join(fallbacks[:12]),
+            LayoutFallbackWarning,
+            stacklevel=3,
+        )
     return layout_map
 
 
