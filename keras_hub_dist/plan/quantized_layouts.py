@@ -58,6 +58,7 @@ from keras_hub_dist.plan.quantization import Int4Rule, Int8Rule, QuantizedTensor
 __all__ = [
     "QuantizationAwareModelParallel",
     "add_quantized_entries",
+    "axes_from_values",
     "matrix_axes",
     "quantized_axes",
 ]
@@ -157,9 +158,7 @@ def quantized_axes(
     rule = tensor.rule
     float_axes = tuple(float_axes) + (None,) * (len(tensor.float_shape) - len(tuple(float_axes)))
     if isinstance(rule, Int8Rule):
-        scale = tuple(None if a is None else float_axes[a] for a in rule.scale_axes)
-        out = {tensor.values.path: float_axes, tensor.scale.path: scale}
-        return out
+        return axes_from_values(tensor, float_axes, sizes)
     m_axes, _ = matrix_axes(tensor.float_shape, float_axes, rule.matrix, sizes)
     packed = (rule.matrix[rule.pack_axis] + 1) // 2
     entry = m_axes[rule.pack_axis]
@@ -179,24 +178,38 @@ def quantized_axes(
                 f"bytes) not divisible by {specs.entry_axes(entry)}; sharded "
                 f"along axis {other} ({rule.matrix[other]}) instead"
             )
-    out = {tensor.values.path: m_axes}
+    return axes_from_values(tensor, m_axes, sizes)
+
+
+def axes_from_values(tensor: QuantizedTensor, values_axes: Sequence[Any], sizes: Mapping[str, int]) -> dict[str, Axes]:
+    """Variable path -> axes for a quantized tensor's variables, given the
+    layout of its values (for int4, of the matrix `M`, packed or not: the
+    same entries): the scale and zero follow the kept axes, `g_idx` the
+    grouped one (see the module doc)."""
+    rule = tensor.rule
+    rank = len(quantization.values_shape(tensor))
+    values_axes = tuple(values_axes) + (None,) * (rank - len(tuple(values_axes)))
+    out: dict[str, Axes] = {tensor.values.path: values_axes}
+    if isinstance(rule, Int8Rule):
+        out[tensor.scale.path] = tuple(None if a is None else values_axes[a] for a in rule.scale_axes)
+        return out
     kept = 1 - rule.group_axis
     if not rule.block_size:
-        scale_axes: Axes = (m_axes[kept],)
+        scale_axes: Axes = (values_axes[kept],)
     else:
         rows = rule.matrix[rule.group_axis]
-        group_entry = m_axes[rule.group_axis]
+        group_entry = values_axes[rule.group_axis]
         parts = _parts(group_entry, sizes)
         whole_groups = rows % parts == 0 and (rows // parts) % rule.block_size == 0
         scale_list: list[Any] = [None, None]
-        scale_list[kept] = m_axes[kept]
+        scale_list[kept] = values_axes[kept]
         scale_list[rule.group_axis] = group_entry if whole_groups else None
         scale_axes = tuple(scale_list)
     out[tensor.scale.path] = scale_axes
     if tensor.zero is not None:
         out[tensor.zero.path] = scale_axes
     if tensor.group_index is not None:
-        out[tensor.group_index.path] = (m_axes[rule.group_axis],)
+        out[tensor.group_index.path] = (values_axes[rule.group_axis],)
     return out
 
 
