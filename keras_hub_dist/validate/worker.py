@@ -194,7 +194,7 @@ def _policy_name(policy: Any) -> str | None:
     return None
 
 
-def _ours_init(cls: type, config: dict[str, Any]) -> Any:
+def _ours_init(cls: type, config: dict[str, Any], quantize: str | None = None) -> Any:
     """Builds the backbone with keras_hub_dist's factory of its class.
 
     Raises:
@@ -211,13 +211,15 @@ def _ours_init(cls: type, config: dict[str, Any]) -> Any:
         )
     # The stock build keeps a multimodal config's encoders; so must ours.
     text_only = {"text_only": False} if "text_only" in inspect.signature(factory).parameters else {}
+    if quantize:
+        text_only["quantize"] = quantize
     return factory(serialized_config(cls, config), **text_only)
 
 
-def _ours_load(preset_dir: str, mesh: Any, layout_map: Any, dtype: str | None) -> Any:
+def _ours_load(preset_dir: str, mesh: Any, layout_map: Any, dtype: str | None, quantize: str | None = None) -> Any:
     from keras_hub_dist.load.loader import load_sharded_preset
 
-    kwargs: dict[str, Any] = {"mesh": mesh, "layout_map": layout_map}
+    kwargs: dict[str, Any] = {"mesh": mesh, "layout_map": layout_map, "quantize": quantize}
     if dtype:
         kwargs["dtype"] = dtype
     return load_sharded_preset(preset_dir, progress=False, **kwargs)
@@ -273,6 +275,7 @@ def _measure(spec: Mapping[str, Any]) -> dict[str, Any]:
 
     case, phase = spec["case"], spec["phase"]
     dtype = spec.get("dtype")
+    quantize = spec.get("quantize")
     preset = spec["preset_dir"] if phase == "load" else spec["preset"]
     overrides = {} if phase == "load" else dict(spec.get("overrides") or {})
     cls, config, source = resolve_architecture(preset, overrides, dtype)
@@ -298,16 +301,20 @@ def _measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     with sampler:
         if case == "ours" and phase == "init":
             with distribution.scope():
-                model = _ours_init(cls, config)
+                model = _ours_init(cls, config, quantize)
         elif case == "stock" and phase == "init":
             with distribution.scope():
                 # A copy: some `from_config`s (Gemma 3) deserialize sub-layers in place.
                 model = cls.from_config(dict(config))
+                if quantize:
+                    model.quantize(quantize)
         elif case == "ours" and phase == "load":
-            model = _ours_load(preset, mesh, layout_map, dtype)
+            model = _ours_load(preset, mesh, layout_map, dtype, quantize)
         elif case == "stock" and phase == "load":
             with distribution.scope():
                 model = _stock_load(preset, dtype)
+                if quantize:
+                    model.quantize(quantize)
         else:
             raise ValueError(
                 "Expected case in ('ours', 'stock') and phase in ('init', "

@@ -127,30 +127,41 @@ def _lm_preset(root: str) -> str:
 
 @functools.cache
 def _stock_lm(root: str, mode: str):
-    """Stock, unsharded: CausalLM.from_preset, quantize, greedy tokens."""
+    """Stock, unsharded: CausalLM.from_preset, then quantize."""
     keras.distribution.set_distribution(None)
     lm = keras_hub.models.CausalLM.from_preset(_lm_preset(root))
     # `lm.quantize` fails on the (unbuilt) tokenizer: quantize the backbone.
     lm.backbone.quantize(mode)
+    return lm
+
+
+def _greedy(lm, inputs):
     lm.compile(sampler="greedy")
-    inputs = lm.preprocessor.generate_preprocess(PROMPTS, sequence_length=8)
+    preprocessor, lm.preprocessor = lm.preprocessor, None
+    try:
+        return np.asarray(lm.generate(inputs, stop_token_ids=None)["token_ids"])
+    finally:
+        lm.preprocessor = preprocessor
+
+
+def test_generate_of_a_quantized_lm_sharded_equals_stock(root):
+    stock = _stock_lm(root, "int4")
+    inputs = stock.preprocessor.generate_preprocess(PROMPTS, sequence_length=8)
     inputs = {k: np.asarray(v) for k, v in inputs.items()}
-    lm.preprocessor = None
-    tokens = np.asarray(lm.generate(inputs, stop_token_ids=None)["token_ids"])
-    return lm, inputs, tokens
+    tokens = _greedy(stock, inputs)
+    keras.distribution.set_distribution(None)
+    lm = load_sharded_preset(_lm_preset(root), mesh=(2, 4), task="causal_lm", quantize="int4", progress=False)
+    np.testing.assert_array_equal(_greedy(lm, inputs), tokens)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_generate_quantized_sharded_equals_stock_and_the_preset_round_trips(mode, root, tmp_path):
-    stock, inputs, tokens = _stock_lm(root, mode)
+def test_quantized_preset_round_trips(mode, root, tmp_path):
+    stock = _stock_lm(root, mode)
+    keras.distribution.set_distribution(None)
     lm = load_sharded_preset(_lm_preset(root), mesh=(2, 4), task="causal_lm", quantize=mode, progress=False)
     assert lm.backbone.token_embedding.quantization_mode == mode
     for ours, ref in zip(lm.backbone.weights, stock.backbone.weights):
         assert ours.path == ref.path and _bits(ours.value) == _bits(ref.value), ours.path
-    lm.compile(sampler="greedy")
-    preprocessor, lm.preprocessor = lm.preprocessor, None
-    np.testing.assert_array_equal(np.asarray(lm.generate(inputs, stop_token_ids=None)["token_ids"]), tokens)
-    lm.preprocessor = preprocessor
 
     # Our sharded save, our sharded load on another mesh: bitwise.
     saved = str(tmp_path / "saved")
@@ -172,7 +183,7 @@ def test_generate_quantized_sharded_equals_stock_and_the_preset_round_trips(mode
 
 
 def test_stock_quantized_backbone_preset_loads_sharded(root, tmp_path):
-    stock, _, _ = _stock_lm(root, "int4")
+    stock = _stock_lm(root, "int4")
     stock.backbone.save_to_preset(str(tmp_path / "q"))
     with pytest.raises(ValueError, match="could not be loaded"):  # stock itself
         keras_hub.models.Backbone.from_preset(str(tmp_path / "q"))
@@ -190,7 +201,7 @@ def test_stock_quantized_backbone_preset_loads_sharded(root, tmp_path):
 def test_quantize_after_a_float_load_is_sharded_and_equals_stock(mode, root):
     # Stock under a plain ModelParallel: int4 kernels keep their float
     # kernels' paths, so a path-keyed layout map gives them the wrong rank.
-    stock, _, _ = _stock_lm(root, mode)
+    stock = _stock_lm(root, mode)
     model = load_sharded_preset(_lm_preset(root), mesh=(2, 4), progress=False)
     model.quantize(mode)
     assert [(v.path, _bits(v.value)) for v in model.weights] == [
