@@ -55,7 +55,11 @@ from keras_hub_dist.plan.quantization import (
     values_shape,
 )
 
-__all__ = ["TensorQuantizer", "combine_statistics", "group_index_source"]
+__all__ = ["SLAB_BYTES", "TensorQuantizer", "combine_statistics", "group_index_source"]
+
+# A block is read and quantized in slabs of about this many float bytes, so
+# the host holds a few slabs of temporaries per reader thread, not the block.
+SLAB_BYTES = 16 << 20
 
 
 def _full(shape: Sequence[int]) -> Index:
@@ -158,6 +162,36 @@ class TensorQuantizer:
         """Whether a block of `x` holds its channels' whole reduced extent."""
         return self._x_region(self._stats_box(x_index)) == tuple(x_index)
 
+    def _slabs(self, x_index: Index) -> list[Index]:
+        """`x_index` cut along a kept axis (never reduced or grouped; along
+        the packed axis in pairs) into slabs of about `SLAB_BYTES`: each
+        slab's statistics and values depend on the slab only, so a block is
+        computed with slab-sized temporaries, whatever its size."""
+        rule = self.rule
+        if isinstance(rule, Int8Rule):
+            kept = [a for a in range(len(x_index)) if a not in rule.reduced]
+        else:
+            kept = [1 - rule.group_axis]
+        if not kept:
+            return [x_index]
+        axis = max(kept, key=lambda a: x_index[a][1] - x_index[a][0])
+        start, stop = x_index[axis]
+        per_unit = math.prod(b - a for i, (a, b) in enumerate(x_index) if i != axis)
+        step = max(1, SLAB_BYTES // max(1, per_unit * self.float_dtype.itemsize))
+        if isinstance(rule, Int4Rule) and axis == rule.pack_axis:
+            step = max(2, step - step % 2)
+        out = []
+        for lo in range(start, stop, step):
+            slab = list(x_index)
+            slab[axis] = (lo, min(stop, lo + step))
+            out.append(tuple(slab))
+        return out
+
+    def _slab_axis(self, slabs: Sequence[Index]) -> int:
+        if len(slabs) < 2:
+            return 0
+        return next(a for a, (r0, r1) in enumerate(zip(slabs[0], slabs[1])) if r0 != r1)
+
     def _scale_box(self, scale_index: Index) -> Index:
         """The statistics of a block of the scale (or zero) variable."""
         if isinstance(self.rule, Int4Rule):
@@ -170,13 +204,20 @@ class TensorQuantizer:
 
     # --- statistics ---------------------------------------------------------
 
-    def partial_statistics(self, x_index: Index, block: np.ndarray) -> tuple[Index, tuple[np.ndarray, ...]]:
-        """`(stats box, arrays)` reduced over the rows this block holds only."""
-        box = self._stats_box(x_index)
+    def _reduce(self, x_index: Index, block: np.ndarray) -> tuple[np.ndarray, ...]:
         if isinstance(self.rule, Int8Rule):
-            return box, (qm.abs_max(block, self.rule.reduced),)
+            return (qm.abs_max(block, self.rule.reduced),)
         g = self.rule.group_axis
-        return box, qm.group_stats(block, g, x_index[g][0], self.rule.block_size)
+        return qm.group_stats(block, g, x_index[g][0], self.rule.block_size)
+
+    def partial_statistics(self, x_index: Index) -> tuple[Index, tuple[np.ndarray, ...]]:
+        """`(stats box, arrays)` of block `x_index` of `x`, reduced over the
+        rows it holds only (read slab by slab)."""
+        slabs = self._slabs(x_index)
+        parts = [self._reduce(slab, self.x.read(slab)) for slab in slabs]
+        axis = self._slab_axis(slabs)
+        stats = tuple(np.concatenate(p, axis=axis) for p in zip(*parts)) if len(parts) > 1 else parts[0]
+        return self._stats_box(x_index), stats
 
     def _finish(self, box: Index, stats: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
         if isinstance(self.rule, Int8Rule):
@@ -197,8 +238,7 @@ class TensorQuantizer:
             for cached_box, arrays in self._cache:
                 if _contains(cached_box, box):
                     return tuple(a[_slices(box, cached_box)] for a in arrays)
-        region = self._x_region(box)
-        stats = self._finish(box, self.partial_statistics(region, self.x.read(region))[1])
+        stats = self._finish(box, self.partial_statistics(self._x_region(box))[1])
         self._remember(box, stats)
         return stats
 
@@ -215,15 +255,41 @@ class TensorQuantizer:
     # --- the variables ------------------------------------------------------
 
     def values(self, index: Index) -> np.ndarray:
-        """Block `index` of the int8 (or packed int4) values."""
+        """Block `index` of the int8 (or packed int4) values, slab by slab."""
         x_index = self.x_index(index)
-        block = self.x.read(x_index)
         box = self._stats_box(x_index)
-        if self.complete(x_index) and self._global is None:
-            stats = self._finish(box, self.partial_statistics(x_index, block)[1])
+        local = self.complete(x_index) and self._global is None
+        stats = None if local else self._statistics(box)
+        out = host_io.aligned_empty(tuple(b - a for a, b in index), np.int8)
+        slabs = self._slabs(x_index)
+        kept: list[tuple[np.ndarray, ...]] = []
+        for slab in slabs:
+            block = self.x.read(slab)
+            slab_box = self._stats_box(slab)
+            if local:
+                part = self._finish(slab_box, self._reduce(slab, block))
+                kept.append(part)
+            else:
+                part = tuple(s[_slices(slab_box, box)] for s in stats)
+            values = self._quantize(slab, block, part)
+            out[_slices(self._values_index(slab), index)] = values
+            del block
+        if local:
+            axis = self._slab_axis(slabs)
+            stats = tuple(np.concatenate(p, axis=axis) for p in zip(*kept)) if len(kept) > 1 else kept[0]
             self._remember(box, stats)
-        else:
-            stats = self._statistics(box)
+        return out
+
+    def _values_index(self, x_index: Index) -> Index:
+        """The values block of a block of `x` (int4: packed, in pairs)."""
+        if isinstance(self.rule, Int8Rule):
+            return x_index
+        axis = self.rule.pack_axis
+        out = list(x_index)
+        out[axis] = (x_index[axis][0] // 2, -(-x_index[axis][1] // 2))
+        return tuple(out)
+
+    def _quantize(self, x_index: Index, block: np.ndarray, stats: tuple[np.ndarray, ...]) -> np.ndarray:
         if isinstance(self.rule, Int8Rule):
             return qm.int8_values(block, qm.int8_scale(stats[0]))
         g = self.rule.group_axis
@@ -291,8 +357,7 @@ def combine_statistics(work: Sequence[tuple[TensorQuantizer, Sequence[Index]]]) 
         wide = np.promote_types(quantizer.float_dtype, np.float32)  # exact
         acc = [np.full(shape, -np.inf, dtype=wide) for _ in signs]
         for index in indices:
-            x_index = quantizer.x_index(index)
-            box, stats = quantizer.partial_statistics(x_index, quantizer.x.read(x_index))
+            box, stats = quantizer.partial_statistics(quantizer.x_index(index))
             where = _slices(box, _full(shape))
             for a, s, sign in zip(acc, stats, signs):
                 np.maximum(a[where], sign * s.astype(wide), out=a[where])

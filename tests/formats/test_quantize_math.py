@@ -135,10 +135,13 @@ def _tensor(rule, shape, scale_shape) -> QuantizedTensor:
                            shape, rule, V("l/kernel", shape), V("l/kernel_scale", scale_shape))
 
 
+@pytest.mark.parametrize("slab_bytes", [fq.SLAB_BYTES, 200])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_statistics_combined_across_processes(mode, monkeypatch):
+def test_statistics_combined_across_processes(mode, slab_bytes, monkeypatch):
     # Rows split between two "processes": each reduces its own blocks, the
     # collective takes the maximum of the vectors; the result is Keras's.
+    # With 200-byte slabs every block is read and quantized in pieces.
+    monkeypatch.setattr(fq, "SLAB_BYTES", slab_bytes)
     x = _values(260, 8, np.float32)
     if mode == "int8":
         rule, scale_shape = Int8Rule((0,), (1,)), (8,)
