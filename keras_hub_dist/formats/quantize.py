@@ -55,7 +55,13 @@ from keras_hub_dist.plan.quantization import (
     values_shape,
 )
 
-__all__ = ["SLAB_BYTES", "TensorQuantizer", "combine_statistics", "group_index_source"]
+__all__ = [
+    "SLAB_BYTES",
+    "TensorQuantizer",
+    "combine_statistics",
+    "group_index_source",
+    "sharding_blocks",
+]
 
 # A block is read and quantized in slabs of about this many float bytes, so
 # the host holds a few slabs of temporaries per reader thread, not the block.
@@ -161,6 +167,12 @@ class TensorQuantizer:
     def complete(self, x_index: Index) -> bool:
         """Whether a block of `x` holds its channels' whole reduced extent."""
         return self._x_region(self._stats_box(x_index)) == tuple(x_index)
+
+    def splits(self, values_indices: Sequence[Index]) -> bool:
+        """Whether any of these values blocks (every device's, for a global
+        answer) lacks part of its channels' reduced extent: then
+        `combine_statistics` must run first."""
+        return not all(self.complete(self.x_index(index)) for index in values_indices)
 
     def _slabs(self, x_index: Index) -> list[Index]:
         """`x_index` cut along a kept axis (never reduced or grouped; along
@@ -332,6 +344,19 @@ class TensorQuantizer:
     def zero_source(self, dtype: Any) -> TensorSource:
         """The zero point variable's source, cast to `dtype` (the variable's)."""
         return _Derived(self, "zero", scale_shape(self.tensor), dtype)
+
+
+def sharding_blocks(sharding: Any, shape: Sequence[int], local: bool = False, distinct: bool = True) -> list[Index]:
+    """The blocks a `jax.sharding.Sharding` cuts `shape` into, per device
+    (this process's devices only with `local=True`), in device order; each
+    block once with `distinct=True`."""
+    shape = tuple(int(d) for d in shape)
+    by_device = sharding.addressable_devices_indices_map(shape) if local else sharding.devices_indices_map(shape)
+    blocks = [
+        tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(slices, shape))
+        for slices in by_device.values()
+    ]
+    return list(dict.fromkeys(blocks)) if distinct else blocks
 
 
 def group_index_source(tensor: QuantizedTensor) -> TensorSource:

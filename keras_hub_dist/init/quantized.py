@@ -34,7 +34,12 @@ from keras_hub_dist import _compat
 from keras_hub_dist.errors import QuantizationError
 from keras_hub_dist.formats import host_io
 from keras_hub_dist.formats.base import Index, TensorSource, numpy_dtype
-from keras_hub_dist.formats.quantize import TensorQuantizer, combine_statistics, group_index_source
+from keras_hub_dist.formats.quantize import (
+    TensorQuantizer,
+    combine_statistics,
+    group_index_source,
+    sharding_blocks,
+)
 from keras_hub_dist.init import initializers
 from keras_hub_dist.plan import quantization
 from keras_hub_dist.plan.quantized_layouts import quantized_axes
@@ -97,8 +102,9 @@ def _place(variable: Any, source: TensorSource, axes: tuple, mesh: Any) -> None:
     dtype = numpy_dtype(variable.dtype)
     blocks: dict[Index, np.ndarray] = {}
     per_device = []
-    for device, slices in sharding.addressable_devices_indices_map(shape).items():
-        index = tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(slices, shape))
+    for device, index in zip(
+        sharding.addressable_devices_indices_map(shape), sharding_blocks(sharding, shape, local=True, distinct=False)
+    ):
         if index not in blocks:
             host = source.read(index)
             blocks[index] = host if host.dtype == dtype else host.astype(dtype)
@@ -133,16 +139,8 @@ def initialize_quantized(backbone: keras.Model, created: list[Any], mode: str) -
         quantizer = TensorQuantizer(tensor, _DeviceShards(drawn, float_variable.path), float_variable.dtype)
         values = quantizer.values_source()
         sharding = keras.distribution.TensorLayout(axes[tensor.values.path], mesh).backend_layout
-        every = [
-            tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(sl, values.shape))
-            for sl in sharding.devices_indices_map(values.shape).values()
-        ]
-        if not all(quantizer.complete(quantizer.x_index(b)) for b in every):
-            mine = {
-                tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(sl, values.shape))
-                for sl in sharding.addressable_devices_indices_map(values.shape).values()
-            }
-            combine_statistics([(quantizer, sorted(mine))])
+        if quantizer.splits(sharding_blocks(sharding, values.shape)):
+            combine_statistics([(quantizer, sharding_blocks(sharding, values.shape, local=True))])
         sources = {tensor.values.path: values, tensor.scale.path: quantizer.scale_source(numpy_dtype(tensor.scale.dtype))}
         if tensor.zero is not None:
             sources[tensor.zero.path] = quantizer.zero_source(numpy_dtype(tensor.zero.dtype))

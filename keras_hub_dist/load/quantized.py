@@ -43,6 +43,7 @@ from keras_hub_dist.formats.quantize import (
     TensorQuantizer,
     combine_statistics,
     group_index_source,
+    sharding_blocks,
 )
 from keras_hub_dist.load.block_plan import LoadPlan
 from keras_hub_dist.plan import quantization
@@ -203,13 +204,7 @@ def run_combine(plan: LoadPlan, shardings: Mapping[str, Any], quantizers: Mappin
     work = []
     for var in plan.variables:
         quantizer = quantizers.get(id(var.source))
-        if quantizer is None:
-            continue
-        all_blocks = [
-            tuple((s.start or 0, s.stop if s.stop is not None else d) for s, d in zip(slices, var.shape))
-            for slices in shardings[var.path].devices_indices_map(var.shape).values()
-        ]
-        if all(quantizer.complete(quantizer.x_index(b)) for b in all_blocks):
+        if quantizer is None or not quantizer.splits(sharding_blocks(shardings[var.path], var.shape)):
             continue
         if (
             jax.process_count() == 1
