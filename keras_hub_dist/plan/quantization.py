@@ -465,7 +465,10 @@ def prospective_tensors(
         kind = _layer_kind(layer)
         if kind is None or getattr(layer, "quantization_mode", None) is not None:
             continue
-        info = {**_layer_info(layer, kind), "block_size": block}
+        try:
+            info = {**_layer_info(layer, kind), "block_size": block}
+        except ValueError:  # an einsum Keras cannot quantize: neither do we
+            continue
         for which, shape in _float_tensors(layer, kind, info):
             rule = _rule(kind, which, mode, shape, info)
             prefix = "kernel" if kind in ("dense", "einsum") else which

@@ -211,9 +211,7 @@ def _ours_init(cls: type, config: dict[str, Any], quantize: str | None = None) -
         )
     # The stock build keeps a multimodal config's encoders; so must ours.
     text_only = {"text_only": False} if "text_only" in inspect.signature(factory).parameters else {}
-    if quantize:
-        text_only["quantize"] = quantize
-    return factory(serialized_config(cls, config), **text_only)
+    return factory(serialized_config(cls, config), **text_only, **({"quantize": quantize} if quantize else {}))
 
 
 def _ours_load(preset_dir: str, mesh: Any, layout_map: Any, dtype: str | None, quantize: str | None = None) -> Any:
