@@ -66,6 +66,7 @@ __all__ = [
 # A block is read and quantized in slabs of about this many float bytes, so
 # the host holds a few slabs of temporaries per reader thread, not the block.
 SLAB_BYTES = 16 << 20
+_BFLOAT16 = numpy_dtype("bfloat16")
 
 
 def _full(shape: Sequence[int]) -> Index:
@@ -216,17 +217,28 @@ class TensorQuantizer:
 
     # --- statistics ---------------------------------------------------------
 
+    def _read(self, x_index: Index) -> np.ndarray:
+        """A block of `x` to compute on: a bfloat16 one widened to float32
+        (exact). Keras's block-sized steps on a bfloat16 kernel already run
+        in float32 (NumPy promotes `bf16 * f32`, `bf16 / f32`), and float32
+        reductions give the same (bfloat16) values, ~30x faster."""
+        block = self.x.read(x_index)
+        return block.astype(np.float32) if self.float_dtype == _BFLOAT16 else block
+
     def _reduce(self, x_index: Index, block: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Statistics of a block, in the float dtype (what Keras reduces in)."""
         if isinstance(self.rule, Int8Rule):
-            return (qm.abs_max(block, self.rule.reduced),)
-        g = self.rule.group_axis
-        return qm.group_stats(block, g, x_index[g][0], self.rule.block_size)
+            stats = (qm.abs_max(block, self.rule.reduced),)
+        else:
+            g = self.rule.group_axis
+            stats = qm.group_stats(block, g, x_index[g][0], self.rule.block_size)
+        return tuple(s.astype(self.float_dtype, copy=False) for s in stats)
 
     def partial_statistics(self, x_index: Index) -> tuple[Index, tuple[np.ndarray, ...]]:
         """`(stats box, arrays)` of block `x_index` of `x`, reduced over the
         rows it holds only (read slab by slab)."""
         slabs = self._slabs(x_index)
-        parts = [self._reduce(slab, self.x.read(slab)) for slab in slabs]
+        parts = [self._reduce(slab, self._read(slab)) for slab in slabs]
         axis = self._slab_axis(slabs)
         stats = tuple(np.concatenate(p, axis=axis) for p in zip(*parts)) if len(parts) > 1 else parts[0]
         return self._stats_box(x_index), stats
@@ -276,7 +288,7 @@ class TensorQuantizer:
         slabs = self._slabs(x_index)
         kept: list[tuple[np.ndarray, ...]] = []
         for slab in slabs:
-            block = self.x.read(slab)
+            block = self._read(slab)
             slab_box = self._stats_box(slab)
             if local:
                 part = self._finish(slab_box, self._reduce(slab, block))

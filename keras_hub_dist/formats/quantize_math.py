@@ -20,6 +20,10 @@ the bit, on any block:
 
 Only the reduction inputs move: a stored zero's sign never matters (`max -
 min` and `round(-min / scale)` give the same values for `+0` and `-0`).
+In-place steps (`out=`) and a bfloat16 block widened to float32 first (by
+`formats.quantize`: every block-sized step of Keras on a bfloat16 kernel is
+a float32 one by NumPy's promotion, and its reductions are exact) compute
+the same values faster.
 
 Example:
 
@@ -66,8 +70,14 @@ GROUP_EPSILON: float = _GROUPED["epsilon"].default
 
 
 def abs_max(block: np.ndarray, axes: Sequence[int]) -> np.ndarray:
-    """`max(|block|)` over `axes`, keepdims (exact: combine with `np.maximum`)."""
-    return np.max(np.abs(block), axis=tuple(axes), keepdims=True)
+    """`max(|block|)` over `axes`, keepdims (exact: combine with `np.maximum`).
+
+    Taken as `max(max(x), -min(x))`: the same value as Keras's
+    `max(abs(x))` without a block-sized `abs` temporary (NaN propagates
+    either way; an all-zero column may give `-0.0`, which `+ epsilon`
+    turns into the same scale)."""
+    axes = tuple(axes)
+    return np.maximum(np.max(block, axis=axes, keepdims=True), np.negative(np.min(block, axis=axes, keepdims=True)))
 
 
 def int8_scale(top: np.ndarray, value_range: tuple[int, int] = INT8_RANGE, epsilon: float = INT8_EPSILON) -> np.ndarray:
@@ -77,8 +87,9 @@ def int8_scale(top: np.ndarray, value_range: tuple[int, int] = INT8_RANGE, epsil
 
 def int8_values(block: np.ndarray, scale: np.ndarray, value_range: tuple[int, int] = INT8_RANGE) -> np.ndarray:
     """`abs_max_quantize`'s values of `block` for its (broadcast) scale."""
-    outputs = np.multiply(block, scale)
-    outputs = np.clip(np.round(outputs), value_range[0], value_range[1])
+    outputs = np.multiply(block, scale)  # then in place: the same values
+    np.round(outputs, out=outputs)
+    np.clip(outputs, value_range[0], value_range[1], out=outputs)
     return outputs.astype("int8")
 
 
@@ -178,8 +189,10 @@ def group_values(
     zero_g = np.moveaxis(zero_point, axis, 0)
 
     def quantize(rows: np.ndarray, groups: slice) -> np.ndarray:
-        outputs = np.round(np.divide(rows, scale_g[groups][:, None])) + zero_g[groups][:, None]
-        outputs = np.clip(outputs, qmin, qmax)
+        outputs = np.divide(rows, scale_g[groups][:, None])  # then in place
+        np.round(outputs, out=outputs)
+        np.add(outputs, zero_g[groups][:, None], out=outputs)
+        np.clip(outputs, qmin, qmax, out=outputs)
         outputs = outputs.astype("int8")
         return outputs.reshape((-1,) + outputs.shape[2:])
 
