@@ -36,7 +36,9 @@ quantizer.scale_source().read(((0, 32),))            # its scale block
 from __future__ import annotations
 
 import math
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,6 +68,9 @@ __all__ = [
 # A block is read and quantized in slabs of about this many float bytes, so
 # the host holds a few slabs of temporaries per reader thread, not the block.
 SLAB_BYTES = 16 << 20
+# Slabs of one block computed at once (the loader's reader threads each run
+# a block; a union of blocks, read in one call, still uses the cores).
+SLAB_THREADS = min(4, os.cpu_count() or 1)
 _BFLOAT16 = numpy_dtype("bfloat16")
 
 
@@ -79,6 +84,14 @@ def _contains(outer: Index, inner: Index) -> bool:
 
 def _slices(index: Index, origin: Index) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(index, origin))
+
+
+def _map(fn: Any, slabs: Sequence[Index]) -> list[Any]:
+    """`[fn(slab) for slab in slabs]`, `SLAB_THREADS` at a time."""
+    if len(slabs) < 2 or SLAB_THREADS < 2:
+        return [fn(slab) for slab in slabs]
+    with ThreadPoolExecutor(min(SLAB_THREADS, len(slabs)), "keras_hub_dist-quantize") as pool:
+        return list(pool.map(fn, slabs))
 
 
 def _fresh(array: np.ndarray, dtype: Any) -> np.ndarray:
@@ -238,7 +251,7 @@ class TensorQuantizer:
         """`(stats box, arrays)` of block `x_index` of `x`, reduced over the
         rows it holds only (read slab by slab)."""
         slabs = self._slabs(x_index)
-        parts = [self._reduce(slab, self._read(slab)) for slab in slabs]
+        parts = _map(lambda slab: self._reduce(slab, self._read(slab)), slabs)
         axis = self._slab_axis(slabs)
         stats = tuple(np.concatenate(p, axis=axis) for p in zip(*parts)) if len(parts) > 1 else parts[0]
         return self._stats_box(x_index), stats
@@ -279,25 +292,26 @@ class TensorQuantizer:
     # --- the variables ------------------------------------------------------
 
     def values(self, index: Index) -> np.ndarray:
-        """Block `index` of the int8 (or packed int4) values, slab by slab."""
+        """Block `index` of the int8 (or packed int4) values, slab by slab
+        (`SLAB_THREADS` slabs at a time: NumPy releases the GIL)."""
         x_index = self.x_index(index)
         box = self._stats_box(x_index)
         local = self.complete(x_index) and self._global is None
         stats = None if local else self._statistics(box)
         out = host_io.aligned_empty(tuple(b - a for a, b in index), np.int8)
         slabs = self._slabs(x_index)
-        kept: list[tuple[np.ndarray, ...]] = []
-        for slab in slabs:
+
+        def one(slab: Index) -> tuple[np.ndarray, ...]:
             block = self._read(slab)
             slab_box = self._stats_box(slab)
             if local:
                 part = self._finish(slab_box, self._reduce(slab, block))
-                kept.append(part)
             else:
                 part = tuple(s[_slices(slab_box, box)] for s in stats)
-            values = self._quantize(slab, block, part)
-            out[_slices(self._values_index(slab), index)] = values
-            del block
+            out[_slices(self._values_index(slab), index)] = self._quantize(slab, block, part)
+            return part
+
+        kept = _map(one, slabs)
         if local:
             axis = self._slab_axis(slabs)
             stats = tuple(np.concatenate(p, axis=axis) for p in zip(*kept)) if len(kept) > 1 else kept[0]
