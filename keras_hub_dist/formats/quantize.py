@@ -42,9 +42,11 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from keras_hub_dist import _processes
+from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats import host_io, transforms
 from keras_hub_dist.formats import quantize_math as qm
 from keras_hub_dist.formats.base import Index, TensorSource, numpy_dtype
@@ -402,17 +404,26 @@ def combine_statistics(work: Sequence[tuple[TensorQuantizer, Sequence[Index]]]) 
     same order (a global property of the layout); each reads only its
     blocks."""
     partials: list[tuple[np.ndarray, ...]] = []
-    for quantizer, indices in work:
-        shape = quantizer.stats_shape
-        signs = (1,) if isinstance(quantizer.rule, Int8Rule) else (-1, 1)
-        wide = np.promote_types(quantizer.float_dtype, np.float32)  # exact
-        acc = [np.full(shape, -np.inf, dtype=wide) for _ in signs]
-        for index in indices:
-            box, stats = quantizer.partial_statistics(quantizer.x_index(index))
-            where = _slices(box, _full(shape))
-            for a, s, sign in zip(acc, stats, signs):
-                np.maximum(a[where], sign * s.astype(wide), out=a[where])
-        partials.append(tuple(acc))
+    error = None
+    try:
+        for quantizer, indices in work:
+            shape = quantizer.stats_shape
+            signs = (1,) if isinstance(quantizer.rule, Int8Rule) else (-1, 1)
+            wide = np.promote_types(quantizer.float_dtype, np.float32)  # exact
+            acc = [np.full(shape, -np.inf, dtype=wide) for _ in signs]
+            for index in indices:
+                box, stats = quantizer.partial_statistics(quantizer.x_index(index))
+                where = _slices(box, _full(shape))
+                for a, s, sign in zip(acc, stats, signs):
+                    np.maximum(a[where], sign * s.astype(wide), out=a[where])
+            partials.append(tuple(acc))
+    except Exception as e:  # noqa: BLE001 - every process must hear of it
+        if jax.process_count() == 1:
+            raise
+        error = f"{type(e).__name__}: {e}"
+    if jax.process_count() > 1:
+        # A process that failed would leave the others in the collective.
+        _processes.check_all(error, PresetError, "Reading the quantization statistics failed")
     if not partials:
         return
     flat = np.concatenate([a.reshape(-1) for arrays in partials for a in arrays])
