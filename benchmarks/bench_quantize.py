@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--stock_cap_gb", type=float, default=18.0)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--cases", default=",".join(CASES), help="Comma-separated subset of the cases.")
     args = parser.parse_args()
     if args.case:
         result = _case(args)
@@ -147,7 +148,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     try:
         for repeat in range(args.repeats):
-            for case in CASES:
+            for case in [c for c in CASES if c in args.cases.split(",")]:
                 for name in (case, case + "_mem") if repeat == 0 else (case,):
                     command = [sys.executable, os.path.abspath(__file__), "--case", name, "--preset", args.preset]
                     cap = int(args.stock_cap_gb * 1e9) if case.startswith("stock") else 0

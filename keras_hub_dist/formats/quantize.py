@@ -72,7 +72,7 @@ __all__ = [
 SLAB_BYTES = 16 << 20
 # Slabs of one block computed at once (the loader's reader threads each run
 # a block; a union of blocks, read in one call, still uses the cores).
-SLAB_THREADS = min(4, os.cpu_count() or 1)
+SLAB_THREADS = min(8, os.cpu_count() or 1)
 _BFLOAT16 = numpy_dtype("bfloat16")
 
 

@@ -165,3 +165,19 @@ def test_statistics_combined_across_processes(mode, slab_bytes, monkeypatch):
     got = np.concatenate([quantizer.values(index) for index in mine + theirs], axis=0)
     assert got.tobytes() == expected[0].tobytes()
     assert quantizer.scale(tuple((0, d) for d in scale_shape)).tobytes() == expected[1].tobytes()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_int8_extremes_equal_keras(dtype):
+    # Columns at the edges of the range (huge, tiny, subnormal, zero, one
+    # value, all equal): Keras's clip never changes a value, so leaving it
+    # out gives its bits.
+    columns = [
+        [3e38, -3e38, 1e38, 2.9e38], [1e-38, -1e-38, 5e-39, 0.0], [1e-40, -2e-40, 0.0, 3e-40],
+        [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 7.0], [-5.0, -5.0, -5.0, -5.0], [1.0, -1.0, 0.5, -0.5],
+    ]
+    x = np.asarray(columns, dtype=np.float32).T.astype(DTYPES[dtype])
+    values, scale = keras.quantizers.abs_max_quantize(x, axis=0, to_numpy=True)
+    ours_scale = qm.int8_scale(qm.abs_max(x, (0,)))
+    assert ours_scale.astype(DTYPES[dtype]).tobytes() == np.asarray(scale).tobytes()
+    assert qm.int8_values(x, ours_scale).tobytes() == np.asarray(values).tobytes()
