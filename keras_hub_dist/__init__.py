@@ -59,6 +59,7 @@ from keras_hub_dist.init.initializers import DistributedRandomUniform  # noqa: E
 from keras_hub_dist.init.initializers import DistributedTruncatedNormal  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedVarianceScaling  # noqa: E402
 from keras_hub_dist.plan.layouts import get_layout_map  # noqa: E402
+from keras_hub_dist.plan.quantized_layouts import QuantizationAwareModelParallel  # noqa: E402
 from keras_hub_dist.load.loader import LoadReport  # noqa: E402
 from keras_hub_dist.load.loader import load_sharded_preset  # noqa: E402
 from keras_hub_dist.save.saver import save_sharded_preset  # noqa: E402
@@ -90,6 +91,7 @@ __all__ = [
     "MemorySampler",
     "MissingLayoutWarning",
     "PresetError",
+    "QuantizationAwareModelParallel",
     "QuantizationError",
     "SaveError",
     "UnknownPresetError",
