@@ -54,13 +54,13 @@ import keras
 
 from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
-from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.locations import Location, is_remote, open_location
 from keras_hub_dist.formats.ranged_http import DEFAULT_CONCURRENCY, RangeClient
 from keras_hub_dist.formats.transforms import fallbacks
+from keras_hub_dist.load import quantized
 from keras_hub_dist.load.block_plan import LoadPlan, VariableRequest, plan_load
 from keras_hub_dist.load.execute import ExecuteStats, execute_plan
 from keras_hub_dist.load.report import LoadReport
@@ -70,6 +70,9 @@ from keras_hub_dist.measure.memory import MemorySampler
 from keras_hub_dist.plan.build import build_without_values
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
 from keras_hub_dist.plan.mesh import jax_mesh
+from keras_hub_dist.plan import quantization
+from keras_hub_dist.plan.quantization import check_quantize_arguments
+from keras_hub_dist.plan.quantized_layouts import QuantizationAwareModelParallel
 from keras_hub_dist.plan.model_layouts import (
     default_layout_map,
     user_layout_map,
@@ -95,6 +98,7 @@ def load_sharded_preset(
     verify: bool = False,
     concurrency: int = DEFAULT_CONCURRENCY,
     cache_dir: str | os.PathLike | None = None,
+    quantize: str | None = None,
 ) -> keras.Model | tuple[keras.Model, LoadReport]:
     """Loads a KerasHub preset directly into its final sharding.
 
@@ -162,6 +166,13 @@ def load_sharded_preset(
             task loaders read from disk (config, tokenizer) are kept;
             default: a temporary directory removed after the load. Weight
             files are never written to disk.
+        quantize: `"int8"` or `"int4"` to get the model `model.quantize(mode)`
+            gives, bitwise, without the float model ever on a device: each
+            quantized block is computed on the host from the float block as
+            it is read (Keras's own NumPy steps), and only quantized blocks
+            are placed. `dtype` stays the float dtype (scales, activations).
+            A quantized preset (saved after `quantize`) loads as it is,
+            without this argument.
 
     Returns:
         The backbone (or task) model, or `(model, LoadReport)` with
@@ -176,7 +187,10 @@ def load_sharded_preset(
             architecture; an unknown task.
         LayoutError: Mesh axis names the layout map does not use, or a
             dimension the mesh does not divide (the message names the
-            variable and suggests a mesh that works).
+            variable and suggests a mesh that works; for int4, the packed
+            axis).
+        QuantizationError: An unknown `quantize` mode, one this Keras lacks,
+            or a `dtype` it cannot take (e.g. `dtype="int8"`).
     """
     if memory_report:
         sampler = MemorySampler()
@@ -186,7 +200,7 @@ def load_sharded_preset(
     options = _Options(
         mesh, layout_map, dtype, task, progress, model_axis, data_axis,
         dict(task_kwargs or {}), num_threads, verify, concurrency,
-        None if cache_dir is None else os.fspath(cache_dir),
+        None if cache_dir is None else os.fspath(cache_dir), quantize,
     )
     with sampler:
         model, plan, stats, index, label = _load(preset, options)
@@ -219,32 +233,6 @@ def load_sharded_preset(
     return model, report
 
 
-def _check_dtype(dtype: Any) -> None:
-    """Refuses a dtype (policy) that is not a float one, naming `quantize`.
-
-    Weights are cast to the variables' dtype block by block; an integer
-    policy (Keras reads `"int8"` as a quantized one) would need quantization
-    scales that no checkpoint holds.
-    """
-    if dtype is None:
-        return
-    try:
-        policy = keras.dtype_policies.get(dtype)
-        variable_dtype = keras.backend.standardize_dtype(policy.variable_dtype)
-        floating = policy.quantization_mode is None and "float" in variable_dtype
-    except (ValueError, TypeError):
-        floating = False
-    if not floating:
-        raise PresetError(
-            "Weights are loaded in a float dtype. Expected dtype to be a float "
-            "dtype or dtype policy, e.g. 'bfloat16', 'float16', 'float32' or "
-            f"'mixed_bfloat16'. Received: dtype={dtype!r}. For int8 weights, "
-            'load in a float dtype and quantize: quantize="int8" (or '
-            'quantize="int4"), e.g. load_sharded_preset(preset, '
-            'dtype="bfloat16", quantize="int8").'
-        )
-
-
 def _variable_bytes(var: Any) -> int:
     return math.prod(var.shape) * var.target_dtype.itemsize
 
@@ -265,13 +253,14 @@ class _Options:
     verify: bool
     concurrency: int
     cache_dir: str | None
+    quantize: str | None
 
 
 def _load(
     preset: Any, options: _Options
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     # Phase 1: resolve and validate; no device memory is used.
-    _check_dtype(options.dtype)
+    mode = check_quantize_arguments(options.quantize, options.dtype)
     source = resolve_source(preset)
     client = None
     if is_remote(source.ref):
@@ -280,14 +269,18 @@ def _load(
         with open_location(
             source.ref, source.label, client=client, cache_dir=options.cache_dir
         ) as location:
-            return _load_from(source, location, client, options)
+            return _load_from(source, location, client, options, mode)
     finally:
         if client is not None:
             client.close()
 
 
 def _load_from(
-    source: PresetSource, location: Location, client: RangeClient | None, options: _Options
+    source: PresetSource,
+    location: Location,
+    client: RangeClient | None,
+    options: _Options,
+    mode: str | None,
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     mesh, layout_map, model_axis, data_axis = (
         options.mesh, options.layout_map, options.model_axis, options.data_axis
@@ -306,8 +299,11 @@ def _load_from(
 
     # Exactly what `Backbone.from_preset(preset, dtype=dtype)` does: the
     # argument (None included, i.e. Keras's global dtype policy) replaces the
-    # saved policy.
-    backbone, deferred = build_without_values(backbone_cls, {**backbone_config, "dtype": options.dtype})
+    # saved policy, except a quantized preset's policy map, which is kept.
+    backbone_config = quantized.preset_config(backbone_config, options.dtype, mode, source.label)
+    backbone, deferred = build_without_values(backbone_cls, backbone_config)
+    _compat.own_dtype_policies(backbone)  # a quantized preset's layers
+    quantizing = None
     try:
         index = checkpoint.index_checkpoint(backbone, location, source.label, config)
         if options.verify:
@@ -318,7 +314,12 @@ def _load_from(
             resolved_map = default_layout_map(backbone, device_mesh, model_axis, data_axis)
         else:
             resolved_map = user_layout_map(layout_map, device_mesh)
-        distribution = keras.distribution.ModelParallel(
+        float_map = resolved_map
+        if mode is not None and not quantization.quantized_tensors(backbone):
+            quantizing = quantized.quantize_checkpoint(backbone, index, mode)
+            index, deferred = quantizing.index, quantizing.pending(deferred)
+        resolved_map = quantized.quantized_layout_map(backbone, resolved_map, float_map)
+        distribution = QuantizationAwareModelParallel(
             layout_map=resolved_map,
             batch_dim_name=data_axis if data_axis in device_mesh.axis_names else None,
         )
@@ -335,11 +336,16 @@ def _load_from(
         # in every layer; the layout, chosen by path, is the same for all.
         variables = {id(p): e.variable for p, e in zip(plan.variables, index.entries)}
 
+        if quantizing is not None:
+            quantized.run_combine(plan, shardings, quantizing.quantizers)
+
         # Phase 2: read and place, straight into the final shardings.
         def fill(var_plan: Any, array: jax.Array) -> None:
             _compat.materialize_deferred_variable(
                 variables[id(var_plan)], array, layouts[var_plan.path]
             )
+            if quantizing is not None:
+                quantizing.filled(variables[id(var_plan)])
 
         bar = byte_progress(plan.read_bytes, f"Loading {source.short}", options.progress)
         stats = execute_plan(
@@ -356,6 +362,8 @@ def _load_from(
             model = backbone
             if task_cls is not None:
                 model = build_task(task_cls, location, backbone, options.task_kwargs)
+            # A later `model.quantize(...)` finds its variables' layouts.
+            distribution.cover(backbone)
     except BaseException:
         for v in deferred:
             value = _compat.variable_array(v)

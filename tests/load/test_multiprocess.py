@@ -8,6 +8,7 @@ parts and exchanged between the devices); the global model is one model, and
 a jitted forward pass gives the single-process logits.
 """
 
+import hashlib
 import os
 import pathlib
 import sys
@@ -40,6 +41,32 @@ def tiny_preset(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def stock_int8(tiny_preset):
+    """Stock, one process: from_preset, then quantize("int8")."""
+    keras.distribution.set_distribution(None)
+    backbone = keras_hub.models.Backbone.from_preset(tiny_preset)
+    backbone.quantize("int8")
+    return {v.path: np.asarray(v.value) for v in backbone.weights}
+
+
+def _check_quantized(reports, reference, file_bytes, split_over_processes):
+    """Every block each process holds is stock's quantized block, bitwise,
+    from the file bytes of its own blocks (the statistics of row-split
+    kernels came from the other processes through the collective)."""
+    seen = {}
+    for report in reports:
+        for path, blocks in report["quantized_digests"].items():
+            for block, digest in blocks.items():
+                index = tuple(slice(*map(int, b.split(":"))) for b in block.split(","))
+                expected = hashlib.sha256(reference[path][index].tobytes()).hexdigest()
+                assert digest == expected, (path, block)
+                seen.setdefault(path, set()).add(block)
+        if split_over_processes:
+            assert report["quantized_read_bytes"] < file_bytes
+    assert set(seen) == set(reference)
+
+
 def _run_job(preset, num_processes, local_devices, mesh, out_dir):
     return run_job(WORKER, num_processes, local_devices, [preset, mesh, out_dir], out_dir)
 
@@ -58,7 +85,7 @@ def _reference_logits(preset, mesh):
     [(2, 4, "1x8"), (2, 4, "2x4"), (4, 2, "1x8")],
 )
 def test_each_process_reads_only_its_shards(
-    tiny_preset, tmp_path, num_processes, local_devices, mesh
+    tiny_preset, stock_int8, tmp_path, num_processes, local_devices, mesh
 ):
     reports = _run_job(tiny_preset, num_processes, local_devices, mesh, tmp_path)
     index = {e.path: e.source.dataset for e in build_index(
@@ -96,6 +123,7 @@ def test_each_process_reads_only_its_shards(
     assert merge_ranges(job_reads) == all_datasets
     assert sum(b - a for a, b in job_reads) == file_bytes
     assert len(set(seen_devices)) == 8  # disjoint local devices, one global mesh
+    _check_quantized(reports, stock_int8, file_bytes, mesh == "1x8")
 
     reference = _reference_logits(tiny_preset, mesh)
     for process_id in range(num_processes):
