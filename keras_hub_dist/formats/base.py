@@ -147,12 +147,17 @@ class TensorSource(abc.ABC):
             loader then reads byte runs itself); `None` otherwise.
         description: Where the values come from, for messages (a file and a
             dataset or tensor name).
+        read_group: Sources with the same (non-`None`) group are computed
+            from one shared reading (a quantized tensor's values, scale and
+            zero): the loader reads adjacent ones one after another on one
+            thread, so the later ones find what the first one kept.
     """
 
     shape: tuple[int, ...]
     dtype: np.dtype
     stored: StoredTensor | None = None
     description: str = ""
+    read_group: Any = None
 
     @abc.abstractmethod
     def read(self, index: Index) -> np.ndarray:

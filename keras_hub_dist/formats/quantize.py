@@ -88,6 +88,11 @@ def _slices(index: Index, origin: Index) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(index, origin))
 
 
+def _intersection(a: Index, b: Index) -> Index | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
 def _map(fn: Any, slabs: Sequence[Index]) -> list[Any]:
     """`[fn(slab) for slab in slabs]`, `SLAB_THREADS` at a time."""
     if len(slabs) < 2 or SLAB_THREADS < 2:
@@ -109,6 +114,7 @@ class _Derived(TensorSource):
         self.quantizer, self.part = quantizer, part
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.description = f"{part} of {quantizer.tensor.mode} {quantizer.source.description}"
+        self.read_group = quantizer  # the scale reuses the values' statistics
 
     def read(self, index: Index) -> np.ndarray:
         return _fresh(getattr(self.quantizer, self.part)(tuple(index)), self.dtype)
@@ -274,12 +280,31 @@ class TensorQuantizer:
         with self._lock:
             if self._global is not None:
                 return tuple(s[_slices(box, _full(self.stats_shape))] for s in self._global)
-            for cached_box, arrays in self._cache:
-                if _contains(cached_box, box):
-                    return tuple(a[_slices(box, cached_box)] for a in arrays)
+            kept = self._from_cache(box)
+        if kept is not None:
+            return kept
         stats = self._finish(box, self.partial_statistics(self._x_region(box))[1])
         self._remember(box, stats)
         return stats
+
+    def _from_cache(self, box: Index) -> tuple[np.ndarray, ...] | None:
+        """Statistics `box` assembled from the kept ones (one values block's,
+        or several that together cover it: a row-sharded embedding's scale
+        spans every block), or `None` when they do not cover it."""
+        for cached_box, arrays in self._cache:
+            if _contains(cached_box, box):
+                return tuple(a[_slices(box, cached_box)] for a in arrays)
+        parts = [(part, cached_box, arrays) for cached_box, arrays in self._cache if (part := _intersection(cached_box, box))]
+        if not parts:
+            return None
+        shape = tuple(b - a for a, b in box)
+        covered = np.zeros(shape, dtype=bool)
+        out = tuple(np.empty(shape, a.dtype) for a in parts[0][2])
+        for part, cached_box, arrays in parts:
+            for o, a in zip(out, arrays):
+                o[_slices(part, box)] = a[_slices(part, cached_box)]
+            covered[_slices(part, box)] = True
+        return out if covered.all() else None
 
     def _remember(self, box: Index, stats: tuple[np.ndarray, ...]) -> None:
         with self._lock:

@@ -45,7 +45,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,7 +335,10 @@ class _Prefetch:
     """Reads whole variables ahead on worker threads, in plan order, while
     the caller places earlier ones: reading, host transforms and device
     work overlap. At most `max_bytes` of read-but-unplaced host blocks are
-    in flight beyond the variable being placed."""
+    in flight beyond the variable being placed. Adjacent variables of one
+    read group (`TensorSource.read_group`) are read by one job, one after
+    another: a quantized kernel's scale then reuses the statistics its
+    values kept instead of reading the kernel again on a second thread."""
 
     def __init__(self, variables: Sequence[VariablePlan], produce: Callable[[VariablePlan], list], workers: int, max_bytes: int) -> None:
         self._variables = list(variables)
@@ -347,14 +350,28 @@ class _Prefetch:
         self._in_flight = 0
         self.stopped = threading.Event()
 
+    def _group(self, start: int) -> list[VariablePlan]:
+        group = [self._variables[start]]
+        key = group[0].source.read_group
+        while (
+            key is not None
+            and start + len(group) < len(self._variables)
+            and self._variables[start + len(group)].source.read_group is key
+        ):
+            group.append(self._variables[start + len(group)])
+        return group
+
     def _fill(self) -> None:
         while self._next < len(self._variables) and (
             not self._futures or self._in_flight + self._variables[self._next].read_bytes <= self._max_bytes
         ):
-            var = self._variables[self._next]
-            self._futures.append((var, self._pool.submit(self._run, var)))
-            self._in_flight += var.read_bytes
-            self._next += 1
+            group = self._group(self._next)
+            futures = [Future() for _ in group]
+            self._pool.submit(self._run, group, futures)
+            for var, future in zip(group, futures):
+                self._futures.append((var, future))
+                self._in_flight += var.read_bytes
+            self._next += len(group)
 
     def __iter__(self) -> Iterator[tuple[VariablePlan, Any]]:
         self._fill()
@@ -364,11 +381,21 @@ class _Prefetch:
             self._fill()
             yield var, future
 
-    def _run(self, var: VariablePlan) -> list:
-        # A failed load stops here: no variable starts reading after it.
-        if self.stopped.is_set():
-            raise PresetError("the load stopped")
-        return self._produce(var)
+    def _run(self, group: Sequence[VariablePlan], futures: Sequence[Future]) -> None:
+        for var, future in zip(group, futures):
+            if not future.set_running_or_notify_cancel():
+                return  # closed: the rest were cancelled too
+            try:
+                # A failed load stops here: no variable starts reading after it.
+                if self.stopped.is_set():
+                    raise PresetError("the load stopped")
+                future.set_result(self._produce(var))
+            except BaseException as e:  # noqa: BLE001 - the caller re-raises it
+                future.set_exception(e)
+                for later in futures[futures.index(future) + 1 :]:
+                    if later.set_running_or_notify_cancel():
+                        later.set_exception(PresetError("the load stopped"))
+                return
 
     def close(self) -> None:
         self.stopped.set()

@@ -11,6 +11,7 @@ import functools
 import gc
 import os
 import re
+import threading
 
 import jax
 import keras
@@ -250,6 +251,33 @@ def test_no_float_block_reaches_a_device(mode, mesh_shape, root, monkeypatch):
         assert peak[d] <= 1.05 * final[d], (d, peak[d], final[d])
     float_bytes = sum(np.prod(v.shape) * 2 for v in model.weights if v.dtype == "bfloat16")
     assert float_bytes < 0.1 * sum(report.expected_per_device.values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_float_tensor_is_read_once(mode, root, monkeypatch):
+    """On one process with every reduced extent in one host block, a
+    tensor's values, scale and zero come from one reading of it: the scale
+    reuses the statistics the values kept (read one after another on one
+    prefetch thread), a row-sharded embedding's scale included, assembled
+    from every values block's."""
+    from keras_hub_dist.formats import quantize as quantize_module
+
+    read: dict[str, int] = {}
+    size: dict[str, int] = {}
+    lock = threading.Lock()  # the slabs of one tensor are read on several threads
+    original = quantize_module.TensorQuantizer._read
+
+    def counting_read(self, x_index):
+        block = original(self, x_index)
+        with lock:
+            read[self.tensor.float_path] = read.get(self.tensor.float_path, 0) + block.size
+            size[self.tensor.float_path] = int(np.prod(self.x.shape))
+        return block
+
+    monkeypatch.setattr(quantize_module.TensorQuantizer, "_read", counting_read)
+    load_sharded_preset(_lm_preset(root), mesh=(1, 8), quantize=mode, progress=False)
+    assert len(read) == 2 + 7 * LM["num_layers"], sorted(read)  # embeddings, lm head, 7 kernels a layer
+    assert read == size
 
 
 # --- bad input: a clear error before any device memory ----------------------
