@@ -47,6 +47,7 @@ remote.read_stretches([(4096, [memoryview(buffer)])])
 from __future__ import annotations
 
 import email.utils
+import http.client
 import importlib.metadata
 import random
 import re
@@ -418,15 +419,16 @@ class RemoteFile:
         received = 0
         try:
             self._check(response, start, end, length)
+            body = _body_file(response)
             for view in buffers:
                 position = 0
                 while position < len(view):
-                    n = response.readinto(view[position : position + _READ_STEP])
+                    n = body.readinto(view[position : position + _READ_STEP])
                     if not n:
                         raise _Retryable(f"the body ended after {received} of {length} bytes")
                     position += n
                     received += n
-        except (_Retryable, urllib3.exceptions.HTTPError, OSError) as e:
+        except (_Retryable, urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as e:
             cause = e if isinstance(e, _Retryable) else _Retryable(f"{type(e).__name__}: {e}")
             raise _PartialRead(received, cause) from e
         finally:
@@ -493,6 +495,21 @@ class RemoteFile:
                 "Expected one version of every file. Load it again once the "
                 "checkpoint is complete."
             )
+
+
+def _body_file(response: Any) -> Any:
+    """What the body is read from with `readinto`: the underlying
+    `http.client` response, which fills the given buffer from the socket.
+    urllib3's own `readinto` reads into a new `bytes` (itself a copy of a
+    fresh `bytearray`) and copies that into the buffer: two more copies of
+    every byte (BENCHMARKS.md "Remote checkpoints"). A body with a content
+    coding (never asked for: `Accept-Encoding: identity`) goes through
+    urllib3, which decodes it."""
+    coding = response.headers.get("Content-Encoding", "identity").strip().lower()
+    raw = getattr(response, "_fp", None)
+    if coding in ("", "identity") and isinstance(raw, http.client.HTTPResponse):
+        return raw
+    return response
 
 
 class _PartialRead(Exception):
