@@ -37,7 +37,8 @@ KERAS_HOME), and per-device peak / final from the sampler.
 `--clients` compares range clients instead: the probe's model.weights.h5
 fetched whole as 16 MiB ranges, 16 in flight where the API allows, into one
 preallocated aligned buffer, from the same server (both stages): our
-`RangeClient`; fsspec's HTTPFileSystem `cat_ranges` (aiohttp); obstore's
+`RangeClient` (and the same with urllib3's `readinto`, which copies every
+byte twice: how it read bodies before); fsspec's HTTPFileSystem `cat_ranges` (aiohttp); obstore's
 `HTTPStore` with `obstore.get_ranges` and with `get_range_async` (16 in
 flight). Clients that are not installed are reported as such. The bytes are
 checked against the file (64 sampled MiB).
@@ -77,8 +78,14 @@ CONFIGS.setdefault("small", dict(architecture="gemma_7b_en", dtype="float32", ov
     num_layers=1, vocabulary_size=16384, intermediate_dim=8192)))
 STAGES = {"throttled": (0.02, 50e6), "open": (0.0, None)}
 CASES = "download,ours,ours2x,ours,ours2x,ours,ours2x,ours2,ours_mem,ours2x_mem,ours2_mem,stock,stock_mem"
-CLIENTS = ("ranged_http", "fsspec_cat_ranges", "obstore_get_ranges", "obstore_get_range_async")
+CLIENTS = ("ranged_http", "ranged_http_urllib3_read", "fsspec_cat_ranges", "obstore_get_ranges", "obstore_get_range_async")
 FORMATS = {"keras": "keras", "huggingface": "hf"}
+# Copies of each byte in user space between the socket and the buffer, from
+# the code (recv_into the buffer = 0): http.client's read(n) fills a
+# bytearray and returns bytes of it, urllib3's readinto copies that; aiohttp's
+# read() joins the received chunks; every bytes-returning API needs our copy.
+COPIES = {"ranged_http": "0", "ranged_http_urllib3_read": "2", "fsspec_cat_ranges": "2",
+          "obstore_get_ranges": ">= 1", "obstore_get_range_async": ">= 1"}
 MIB = 1 << 20
 
 
@@ -258,11 +265,13 @@ def case_client(args) -> dict:
     memory.reset_host_peak_rss()
     rss0, cpu0 = memory.current_rss_bytes(), _cpu_seconds()
     start = time.perf_counter()
-    if args.client == "ranged_http":
+    if args.client.startswith("ranged_http"):
+        from keras_hub_dist.formats import ranged_http
         from keras_hub_dist.formats.object_stores import open_store
-        from keras_hub_dist.formats.ranged_http import RangeClient
 
-        with RangeClient(args.concurrency, chunk) as client:
+        if args.client == "ranged_http_urllib3_read":  # bodies read as before the fix
+            ranged_http._body_file = lambda response: response
+        with ranged_http.RangeClient(args.concurrency, chunk) as client:
             store = open_store(url, client)
             remote = client.open(store.stat(name), store, name)
             remote.read_stretches([(0, [memoryview(buffer)])])
@@ -470,28 +479,41 @@ def summarize(records: list[dict]) -> str:
 
 def run_clients(args, probes: dict[str, str], server: Server) -> str:
     preset = os.path.join(probes["keras"], "model.weights.h5")
-    rows = ["| stage | client | wall s | MB/s | requests | CPU s client; server "
-            "| RSS growth over the buffer | data |", "|---|---|---|---|---|---|---|---|"]
+    clients = args.client_list.split(",")
+    runs: dict[tuple[str, str], list[dict]] = {}
+    # The server reads the file from the page cache in every run.
+    subprocess.run(["cat", preset], stdout=subprocess.DEVNULL, check=True)
     for stage in args.stages.split(","):
         latency, rate = STAGES[stage]
         server.command("set", latency=latency, rate=rate)
-        for client in args.client_list.split(","):
+        for client in clients * args.repeats:  # interleaved
             before = server.command("clear")
             result = run_capped(_command(args, "client", preset, f"{server.endpoint}/keras",
                                          client=client, concurrency=args.concurrency,
                                          chunk=args.chunk_mib * MIB), 0)
             after = server.command("stats")
+            result.update(server_cpu_s=after["cpu_s"] - before["cpu_s"],
+                          requests=sum(v[0] for v in after["by_process"].values()))
             print(json.dumps({"stage": stage, "client": client, **result})[:600], flush=True)
-            if "wall_s" not in result or result.get("failed"):
-                reason = result.get("unavailable") or result.get("stderr_tail", "")[-300:]
-                rows.append(f"| {stage} | {client} | not run: {reason!r} | | | | | |")
-                continue
-            requests = sum(v[0] for v in after["by_process"].values())
-            growth = result["host_rss_peak"] - result["host_rss_start"] - result["bytes"]
-            rows.append(
-                f"| {stage} | {client} | {result['wall_s']:.2f} | {result['bytes'] / 1e6 / result['wall_s']:.0f} "
-                f"| {requests} | {result['cpu_s']:.1f}; {after['cpu_s'] - before['cpu_s']:.1f} "
-                f"| {_fmt_bytes(growth)} | {result['check']} |")
+            runs.setdefault((stage, client), []).append(result)
+    rows = ["| stage | client | wall s (median; runs) | MB/s | requests | CPU s client; server "
+            "| RSS growth over the buffer (max) | copies (code) | data |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for (stage, client), results in runs.items():
+        good = [r for r in results if "wall_s" in r and not r.get("failed")]
+        if not good:
+            reason = results[-1].get("unavailable") or results[-1].get("stderr_tail", "")[-300:]
+            rows.append(f"| {stage} | {client} | not run: {reason!r} |" + " |" * 6)
+            continue
+        wall = _median([r["wall_s"] for r in good])
+        growth = max(r["host_rss_peak"] - r["host_rss_start"] - r["bytes"] for r in good)
+        walls = "; ".join(f"{r['wall_s']:.2f}" for r in good)
+        rows.append(
+            f"| {stage} | {client} | {wall:.2f} ({walls}) "
+            f"| {good[0]['bytes'] / 1e6 / wall:.0f} | {good[0]['requests']} "
+            f"| {_median([r['cpu_s'] for r in good]):.1f}; {_median([r['server_cpu_s'] for r in good]):.1f} "
+            f"| {_fmt_bytes(growth)} | {COPIES.get(client, '?')} "
+            f"| {', '.join(sorted({r['check'] for r in good}))} |")
     return "\n".join(rows)
 
 
@@ -503,6 +525,7 @@ def main() -> None:
     parser.add_argument("--cases", default=CASES, help="cases in run order, per format and stage")
     parser.add_argument("--clients", action="store_true", help="compare range clients instead")
     parser.add_argument("--client_list", default=",".join(CLIENTS))
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each client")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--chunk_mib", type=int, default=16)
     parser.add_argument("--stock_cap_gb", type=float, default=18.0, help="host RSS cap of stock")
