@@ -16,11 +16,11 @@ CPU devices:
   stream costs; at 50 MB/s the floor for 3.8 GB is ~76 s.
 - `ours`: `load_sharded_preset("hf://bench/<probe>", mesh=(1, 8))`.
 - `ours2`: the same in two processes x 4 devices on a (2, 4) mesh
-  (`jax.distributed` over loopback): the batch axis spans the processes, so
-  both hold every block and the job reads each byte once (`Exchange`).
-- `ours2x`: `ours2` with KerasHub's layout map minus the batch axis
-  (weights replicated over it): every block is held by both processes, so
-  each reads half and the devices gather the rest (`Exchange` rounds).
+  (`jax.distributed` over loopback). KerasHub's Gemma layout map shards
+  weights on the batch axis too, so each process holds (and reads) half.
+- `ours2x`: `ours2` with that map minus the batch axis: every block is held
+  by both processes, each reads half and the devices gather the rest
+  (`Exchange` rounds).
 - `stock`: `keras_hub.models.Backbone.from_preset("hf://bench/<probe>")`
   inside the same `ModelParallel` (1, 8), huggingface_hub pointed at the
   server with a fresh `HF_HOME`: it downloads, then loads.
@@ -37,11 +37,11 @@ KERAS_HOME), and per-device peak / final from the sampler.
 `--clients` compares range clients instead: the probe's model.weights.h5
 fetched whole as 16 MiB ranges, 16 in flight where the API allows, into one
 preallocated aligned buffer, from the same server (both stages): our
-`RangeClient` (and the same with urllib3's `readinto`, which copies every
-byte twice: how it read bodies before); fsspec's HTTPFileSystem `cat_ranges` (aiohttp); obstore's
-`HTTPStore` with `obstore.get_ranges` and with `get_range_async` (16 in
-flight). Clients that are not installed are reported as such. The bytes are
-checked against the file (64 sampled MiB).
+`RangeClient` (also with urllib3's `readinto`, which copies every byte
+twice: how it read bodies before); fsspec's HTTPFileSystem `cat_ranges`
+(aiohttp); obstore's `HTTPStore` with `get_ranges` and with
+`get_range_async` (16 in flight). A client that is not installed is
+reported as such. The bytes are checked against the file (64 sampled MiB).
 
 Usage (heavy: run under the machine's heavy-job lock, in an environment with
 `pip install -e .[test] "fsspec[http]" obstore`):
@@ -61,8 +61,8 @@ import resource
 import shutil
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
@@ -73,12 +73,13 @@ from bench_load import (  # noqa: E402
     _write, run_capped,
 )
 
-# A 0.3 GB probe of the same shape family, for smoke runs only.
+# A 0.55 GB probe of the same shape family, for smoke runs only.
 CONFIGS.setdefault("small", dict(architecture="gemma_7b_en", dtype="float32", overrides=dict(
     num_layers=1, vocabulary_size=16384, intermediate_dim=8192)))
 STAGES = {"throttled": (0.02, 50e6), "open": (0.0, None)}
-CASES = "download,ours,ours2x,ours,ours2x,ours,ours2x,ours2,ours_mem,ours2x_mem,ours2_mem,stock,stock_mem"
-CLIENTS = ("ranged_http", "ranged_http_urllib3_read", "fsspec_cat_ranges", "obstore_get_ranges", "obstore_get_range_async")
+CASES = "download,ours,ours2x,ours,ours2x,ours,ours2x,ours_mem,ours2x_mem,ours2,stock,stock_mem"
+CLIENTS = ("ranged_http", "ranged_http_urllib3_read", "fsspec_cat_ranges", "obstore_get_ranges",
+           "obstore_get_range_async")
 FORMATS = {"keras": "keras", "huggingface": "hf"}
 # Copies of each byte in user space between the socket and the buffer, from
 # the code (recv_into the buffer = 0): http.client's read(n) fills a
@@ -275,18 +276,14 @@ def case_client(args) -> dict:
             store = open_store(url, client)
             remote = client.open(store.stat(name), store, name)
             remote.read_stretches([(0, [memoryview(buffer)])])
-    elif args.client == "fsspec_cat_ranges":
-        for i in range(0, len(starts), window):
+    elif args.client in ("fsspec_cat_ranges", "obstore_get_ranges"):
+        for i in range(0, len(starts), window):  # one call per window of ranges
             s, e = starts[i:i + window], ends[i:i + window]
-            parts = fs.cat_ranges([f"{url}/{name}"] * len(s), s, e, batch_size=args.concurrency,
-                                  on_error="raise")
-            for a, b, part in zip(s, e, parts):
-                buffer[a:b] = np.frombuffer(part, np.uint8)
-            del parts
-    elif args.client == "obstore_get_ranges":  # at most 10 in flight (the API's own limit)
-        for i in range(0, len(starts), window):
-            s, e = starts[i:i + window], ends[i:i + window]
-            parts = obstore.get_ranges(store, name, starts=s, ends=e, coalesce=0)
+            if args.client == "fsspec_cat_ranges":
+                parts = fs.cat_ranges([f"{url}/{name}"] * len(s), s, e,
+                                      batch_size=args.concurrency, on_error="raise")
+            else:  # adjacent ranges become one request, even with coalesce=0
+                parts = obstore.get_ranges(store, name, starts=s, ends=e, coalesce=0)
             for a, b, part in zip(s, e, parts):
                 buffer[a:b] = np.frombuffer(part, np.uint8)
             del parts
@@ -315,6 +312,10 @@ def case_client(args) -> dict:
 
 
 def run_case(args) -> None:
+    if args.time_limit_s:
+        import signal
+
+        signal.alarm(args.time_limit_s)  # SIGALRM ends the case (exit -14)
     if args.case == "download":
         result = case_download(args)
     elif args.case == "client":
@@ -339,6 +340,7 @@ def _disk(path: str) -> tuple[int, int]:
 def _command(args, case: str, preset: str, url: str, **extra) -> list[str]:
     command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
                "--url", url, "--config", args.config, "--dtype", CONFIGS[args.config]["dtype"]]
+    extra.setdefault("time_limit_s", args.time_limit_s)
     for key, value in extra.items():
         command += [f"--{key}", str(value)]
     return command
@@ -369,17 +371,10 @@ def run_one(args, server: Server, case: str, fmt: str, preset: str, case_dir: st
     elif case.startswith("ours2"):
         from tests.multiprocess_jobs import free_port
 
-        port, results = free_port(), [None, None]
-
-        def one(i: int) -> None:
-            results[i] = run_capped(
-                _command(args, case, f"hf://{repo}", "", process_id=i, port=port), 0)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        port = free_port()
+        with ThreadPoolExecutor(2) as pool:  # both processes at once
+            results = list(pool.map(lambda i: run_capped(
+                _command(args, case, f"hf://{repo}", "", process_id=i, port=port), 0), range(2)))
     else:
         cap = int(args.stock_cap_gb * 1e9) if case.startswith("stock") else 0
         results = [run_capped(_command(args, case, f"hf://{repo}", ""), cap)]
@@ -387,7 +382,12 @@ def run_one(args, server: Server, case: str, fmt: str, preset: str, case_dir: st
     disk, largest = _disk(case_dir)
     failed = [r for r in results if r.get("failed") or r.get("killed")]
     if failed:
-        return {"failed": failed[0].get("reason") or failed[0].get("stderr_tail", "")[-600:]}
+        first = failed[0]
+        reason = first.get("reason") or (
+            f"stopped by the {args.time_limit_s} s limit" if first.get("returncode") == -14
+            else first.get("stderr_tail", "")[-600:])
+        return {"failed": reason, "wall_s": max(r.get("wall_s", 0) for r in failed),
+                "by_process": after["by_process"], "server_cpu_s": after["cpu_s"] - before["cpu_s"]}
     return {"runs": results, "server_cpu_s": after["cpu_s"] - before["cpu_s"],
             "by_process": after["by_process"], "server_errors": after["errors"],
             "disk_left": disk, "largest_file": largest}
@@ -397,6 +397,11 @@ def run_benchmark(args, probes: dict[str, str], server: Server) -> list[dict]:
     records = []
     for fmt, preset in probes.items():
         checkpoint = _weights_bytes(preset)
+        # Unmeasured: the server's page cache filled, and the first large
+        # allocation after writing the probe (kernel reclaim) paid here.
+        server.command("set", latency=0.0, rate=None)
+        warm = run_one(args, server, "download", fmt, preset, os.path.join(args.workdir, "cases", "warm"))
+        print(f"warm-up: {json.dumps(_brief(warm))[:200]}", flush=True)
         for stage in args.stages.split(","):
             latency, rate = STAGES[stage]
             server.command("set", latency=latency, rate=rate)
@@ -430,7 +435,7 @@ def _fmt_bytes(n: float) -> str:
 def summarize(records: list[dict]) -> str:
     rows = ["| format | stage | case | wall s (median; runs) | / download | / stock "
             "| fetched / checkpoint (per process) | requests | RSS growth / held (max) "
-            "| written to disk (max; left) | peak / final (max) | CPU s client; server |",
+            "| written to disk (max); left (largest file) | peak / final (max) | CPU s client; server |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for r in records:
@@ -444,8 +449,11 @@ def summarize(records: list[dict]) -> str:
             mem = [r for r in cases.get(case + "_mem", []) if "runs" in r]
             good = [r for r in rs if "runs" in r]
             if not good:
-                rows.append(f"| {fmt} | {stage} | {case} | failed: {rs[-1].get('failed')!r:.300} |"
-                            + " |" * 8)
+                r = rs[-1]
+                sent = " + ".join(f"{v[1] / r['checkpoint']:.3f} in {v[0]} requests"
+                                  for v in r.get("by_process", {}).values())
+                rows.append(f"| {fmt} | {stage} | {case} | {r.get('failed')!r:.300} after "
+                            f"{r.get('wall_s', 0):.0f} s | | | {sent} |" + " |" * 5)
                 continue
             wall = walls[case]
             runs = "; ".join(f"{max(x['wall_s'] for x in r['runs']):.2f}" for r in good)
@@ -458,6 +466,7 @@ def summarize(records: list[dict]) -> str:
             growth = max((x["host_rss_peak"] - x["host_rss_start"]) / x["held_bytes"] for x in everything)
             written = max(x["written"] for x in everything)
             left = max(r["disk_left"] for r in good)
+            largest = max(r["largest_file"] for r in good)
             peaks = [_max_ratio(x) for r in mem for x in r["runs"]]
             peak = f"{max(peaks):.2f}" if peaks else "-"
             cpu = _median([sum(x["cpu_s"] for x in r["runs"]) for r in good])
@@ -469,7 +478,7 @@ def summarize(records: list[dict]) -> str:
             rows.append(
                 f"| {fmt} | {stage} | {case} | {wall:.2f} ({runs}) | {ratio('download')} "
                 f"| {ratio('stock')} | {fetched} | {requests} | {growth:.3f} "
-                f"| {_fmt_bytes(written)}; {_fmt_bytes(left)} | {peak} | {cpu:.1f}; {server_cpu:.1f} |")
+                f"| {_fmt_bytes(written)}; {_fmt_bytes(left)} (largest {_fmt_bytes(largest)}) | {peak} | {cpu:.1f}; {server_cpu:.1f} |")
         for two in ("ours2", "ours2x"):
             if "ours" in walls and two in walls:
                 rows.append(f"| {fmt} | {stage} | {two} / ours wall | {walls[two] / walls['ours']:.3f} |"
@@ -481,8 +490,11 @@ def run_clients(args, probes: dict[str, str], server: Server) -> str:
     preset = os.path.join(probes["keras"], "model.weights.h5")
     clients = args.client_list.split(",")
     runs: dict[tuple[str, str], list[dict]] = {}
-    # The server reads the file from the page cache in every run.
-    subprocess.run(["cat", preset], stdout=subprocess.DEVNULL, check=True)
+    # Unmeasured: the server's page cache filled, and the first large
+    # allocation after writing the probe (kernel reclaim) paid here.
+    server.command("set", latency=0.0, rate=None)
+    run_capped(_command(args, "client", preset, f"{server.endpoint}/keras", client=clients[0],
+                        concurrency=args.concurrency, chunk=args.chunk_mib * MIB), 0)
     for stage in args.stages.split(","):
         latency, rate = STAGES[stage]
         server.command("set", latency=latency, rate=rate)
@@ -525,10 +537,11 @@ def main() -> None:
     parser.add_argument("--cases", default=CASES, help="cases in run order, per format and stage")
     parser.add_argument("--clients", action="store_true", help="compare range clients instead")
     parser.add_argument("--client_list", default=",".join(CLIENTS))
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each client")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each client")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--chunk_mib", type=int, default=16)
     parser.add_argument("--stock_cap_gb", type=float, default=18.0, help="host RSS cap of stock")
+    parser.add_argument("--time_limit_s", type=int, default=1200, help="a case is stopped after this")
     parser.add_argument("--workdir", default="/work/bench_tmp/bench_remote")
     parser.add_argument("--keep", action="store_true", help="keep the probes")
     parser.add_argument("--json", default=None, help="also write the records here")
