@@ -49,6 +49,10 @@ Usage (heavy: run under the machine's heavy-job lock, in an environment with
     flock /tmp/khd-heavy.lock python benchmarks/bench_remote.py
     flock /tmp/khd-heavy.lock python benchmarks/bench_remote.py --clients
     python benchmarks/bench_remote.py --config small --formats keras   # smoke run
+    python benchmarks/bench_remote.py --render run.json [run2.json run.log ...]
+
+`--json` writes the records after every case; `--render` prints the table of
+saved records (a log's brief lines lack the per-device peak / final).
 """
 
 from __future__ import annotations
@@ -416,6 +420,9 @@ def run_benchmark(args, probes: dict[str, str], server: Server) -> list[dict]:
                 record.update(format=fmt, stage=stage, case=case, checkpoint=checkpoint)
                 records.append(record)
                 print(json.dumps(_brief(record)), flush=True)
+                if args.json:  # after every case: a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(records, f, indent=1)
                 if case != "stock":
                     shutil.rmtree(case_dir, ignore_errors=True)
             shutil.rmtree(os.path.join(args.workdir, "cases"), ignore_errors=True)
@@ -467,7 +474,8 @@ def summarize(records: list[dict]) -> str:
             written = max(x["written"] for x in everything)
             left = max(r["disk_left"] for r in good)
             largest = max(r["largest_file"] for r in good)
-            peaks = [_max_ratio(x) for r in mem for x in r["runs"]]
+            # Records read back from a log's brief lines carry no per-device figures.
+            peaks = [_max_ratio(x) for r in mem for x in r["runs"] if "peak_per_device" in x]
             peak = f"{max(peaks):.2f}" if peaks else "-"
             cpu = _median([sum(x["cpu_s"] for x in r["runs"]) for r in good])
             server_cpu = _median([r["server_cpu_s"] for r in good])
@@ -484,6 +492,21 @@ def summarize(records: list[dict]) -> str:
                 rows.append(f"| {fmt} | {stage} | {two} / ours wall | {walls[two] / walls['ours']:.3f} |"
                             + " |" * 8)
     return "\n".join(rows)
+
+
+def load_records(paths: list[str]) -> list[dict]:
+    """Records from `--json` files or from logs (one brief JSON record a line),
+    in order, for `--render`."""
+    records = []
+    for path in paths:
+        with open(path) as f:
+            text = f.read()
+        if text.lstrip().startswith("["):
+            records += json.loads(text)
+        else:
+            records += [json.loads(line) for line in text.splitlines()
+                        if line.startswith("{") and '"case"' in line]
+    return records
 
 
 def run_clients(args, probes: dict[str, str], server: Server) -> str:
@@ -544,7 +567,9 @@ def main() -> None:
     parser.add_argument("--time_limit_s", type=int, default=1200, help="a case is stopped after this")
     parser.add_argument("--workdir", default="/work/bench_tmp/bench_remote")
     parser.add_argument("--keep", action="store_true", help="keep the probes")
-    parser.add_argument("--json", default=None, help="also write the records here")
+    parser.add_argument("--json", default=None, help="also write the records here (after every case)")
+    parser.add_argument("--render", nargs="+", metavar="FILE", default=None,
+                        help="print the table of saved records (--json files or run logs) and exit")
     # Internal: the server process, or one case in this (fresh) process.
     parser.add_argument("--serve", action="append", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -561,6 +586,9 @@ def main() -> None:
         return serve(args)
     if args.case:
         return run_case(args)
+    if args.render:
+        print(summarize(load_records(args.render)))
+        return
 
     formats = ["keras"] if args.clients else args.formats.split(",")
     probes = {fmt: os.path.join(args.workdir, f"probe_{args.config}_{FORMATS[fmt]}") for fmt in formats}
@@ -575,6 +603,7 @@ def main() -> None:
                   f"{os.cpu_count()} cores, 8 simulated CPU devices, stages "
                   + ", ".join(f"{s} (latency {STAGES[s][0]} s, {STAGES[s][1] or 'no'} B/s per "
                               f"connection)" for s in args.stages.split(",")))
+        print(header, flush=True)  # the start time, even if the run is cut short
         if args.clients:
             table = run_clients(args, probes, server)
         else:
