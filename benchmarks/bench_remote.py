@@ -15,12 +15,17 @@ CPU devices:
   into one preallocated buffer (`http.client` `readinto`): what a single
   stream costs; at 50 MB/s the floor for 3.8 GB is ~76 s.
 - `ours`: `load_sharded_preset("hf://bench/<probe>", mesh=(1, 8))`.
-- `ours2`: the same in two processes x 4 devices on a (2, 4) mesh
-  (`jax.distributed` over loopback). KerasHub's Gemma layout map shards
-  weights on the batch axis too, so each process holds (and reads) half.
-- `ours2x`: `ours2` with that map minus the batch axis: every block is held
-  by both processes, each reads half and the devices gather the rest
-  (`Exchange` rounds).
+- `ours2`: the same call in two processes x 4 devices on a (2, 4) mesh
+  (`jax.distributed` over loopback) with the default layout map (KerasHub's
+  Gemma map): it splits the weights on the batch axis too, so no block is
+  held by both processes and there is nothing to exchange: each process
+  reads its own half, which in a row-major tensor split on its last axis is
+  a strided run per row (one range request each).
+- `ours2x`: the same call with that map minus the batch axis (weights
+  replicated across the processes: data parallelism across hosts): every
+  block is held by both processes, so the loader's read-once-per-job path
+  (on by default, `load.block_plan.Exchange`) has each process read half
+  and the devices gather the rest, in rounds.
 - `stock`: `keras_hub.models.Backbone.from_preset("hf://bench/<probe>")`
   inside the same `ModelParallel` (1, 8), huggingface_hub pointed at the
   server with a fresh `HF_HOME`: it downloads, then loads.
