@@ -45,6 +45,7 @@ from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
 from keras_hub_dist.errors import UnconvertedWeightsWarning  # noqa: E402
 from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
 from keras_hub_dist.errors import PresetError  # noqa: E402
+from keras_hub_dist.errors import QuantizationError  # noqa: E402
 from keras_hub_dist.errors import SaveError  # noqa: E402
 from keras_hub_dist.errors import RemoteDownloadWarning  # noqa: E402
 from keras_hub_dist.errors import StaleStagingWarning  # noqa: E402
@@ -60,6 +61,7 @@ from keras_hub_dist.init.initializers import DistributedRandomUniform  # noqa: E
 from keras_hub_dist.init.initializers import DistributedTruncatedNormal  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedVarianceScaling  # noqa: E402
 from keras_hub_dist.plan.layouts import get_layout_map  # noqa: E402
+from keras_hub_dist.plan.quantized_layouts import QuantizationAwareModelParallel  # noqa: E402
 from keras_hub_dist.load.loader import LoadReport  # noqa: E402
 from keras_hub_dist.load.loader import load_sharded_preset  # noqa: E402
 from keras_hub_dist.save.saver import save_sharded_preset  # noqa: E402
@@ -91,6 +93,8 @@ __all__ = [
     "MemorySampler",
     "MissingLayoutWarning",
     "PresetError",
+    "QuantizationAwareModelParallel",
+    "QuantizationError",
     "SaveError",
     "RemoteDownloadWarning",
     "StaleStagingWarning",

@@ -26,6 +26,7 @@ __all__ = [
     "deferred_variables",
     "distribution_layout_map",
     "draw_seed",
+    "einsum_reduction",
     "executed_program",
     "forget_deferred_variables",
     "H5IOStore",
@@ -40,6 +41,10 @@ __all__ = [
     "preset_file",
     "preset_has_file",
     "preset_file_names",
+    "leaf_layers",
+    "own_dtype_policies",
+    "quantization_modes",
+    "quantize_layer_structure",
     "require_jax_backend",
     "save_preset_config",
     "save_preset_metadata",
@@ -476,3 +481,54 @@ def preset_has_file(preset: str, name: str) -> bool:
 def builtin_preset_names() -> list[str]:
     """Names of KerasHub's built-in presets (`"gemma_7b_en"`, ...)."""
     return list(getattr(_preset_utils(), "BUILTIN_PRESETS", {}))
+
+
+# --- Quantization (`quantize="int8" | "int4"`) -------------------------------
+# `Layer.quantize` computes values and builds the quantized variables at once;
+# the structure alone (no float value allocated) replays its private steps.
+from keras.src.quantizers import quantization_config as _quantization_config  # noqa: E402
+
+
+def quantization_modes() -> tuple[str, ...]:
+    """The quantization modes this Keras knows (`Layer.quantize` checks)."""
+    return tuple(_quantization_config.QUANTIZATION_MODES)
+
+
+def leaf_layers(model: Any) -> list[Any]:
+    """The layers `Model.quantize` visits: every layer without sublayers."""
+    return [l for l in model._flatten_layers() if len(list(l._flatten_layers())) == 1]
+
+
+def einsum_reduction(layer: Any) -> dict[str, tuple[int, ...]]:
+    """An `EinsumDense`'s kernel reduction analysis (set as `quantize` does)."""
+    layer._set_quantization_info()
+    return {n: tuple(getattr(layer, f"_kernel_{n}_axes")) for n in ("reduced", "transpose", "expand", "squeeze")}
+
+
+def own_dtype_policies(model: Any) -> None:
+    """Gives each layer built with a quantized `DTypePolicyMap` entry that policy
+    as its own, as `quantize` does (saving reads the map's mode: None)."""
+    for layer in model._flatten_layers():
+        if isinstance(layer._dtype_policy, keras.dtype_policies.DTypePolicyMap) and layer.quantization_mode:
+            layer._dtype_policy = layer._dtype_policy[layer.path]
+
+
+def quantize_layer_structure(layer: Any, mode: str, float_shape: tuple[int, ...]) -> Any:
+    """`layer.quantize(mode)` without values: Keras's checks, float variables
+    untracked (no `gc.collect()` as `del` runs), `quantized_build`, policy."""
+    config = _quantization_config.validate_and_resolve_config(mode, None)
+    layer._check_quantize_args(config.mode, layer.compute_dtype)
+    names = ["_embeddings" if hasattr(layer, "_embeddings") else "_kernel"]
+    names += ["reverse_embeddings"] if getattr(layer, "reverse_embeddings", None) is not None else []
+    layer._tracker.unlock()
+    try:
+        layer.quantization_config = config
+        for name in names:
+            layer._untrack_variable(getattr(layer, name))
+            object.__delattr__(layer, name)
+        layer.quantized_build(float_shape, config.mode, config)
+        policy = mode if mode != "int4" else f"int4/{config.block_size or -1}"
+        layer.dtype_policy = keras.dtype_policies.get(f"{policy}_from_{layer.dtype_policy.name}")
+    finally:
+        layer._tracker.lock()
+    return config

@@ -94,3 +94,12 @@ class SaveError(ValueError):
 
 
 __all__.append("SaveError")
+
+
+class QuantizationError(ValueError):
+    """`quantize=` cannot be applied as asked: an unknown mode, a mode this
+    Keras lacks, a dtype the mode cannot take, or a layer whose quantization
+    cannot be replayed without values."""
+
+
+__all__.append("QuantizationError")

@@ -44,7 +44,6 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.plan.presets import parse_json
 from keras_hub_dist.formats import host_io
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
@@ -146,6 +145,18 @@ def dataset_source(dataset: DatasetInfo) -> TensorSource:
     return H5DatasetSource(dataset)
 
 
+def _shard_names(data: bytes, entry: str) -> list[str]:
+    """The `.h5` file names a sharded `model.weights.json` maps weights to."""
+    try:
+        weight_map = json.loads(data)["weight_map"]
+        return sorted({n for v in weight_map.values() for n in (v if isinstance(v, list) else [v])})
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PresetError(
+            f"Cannot read the sharded weights config {entry!r}. "
+            f"Expected JSON with a 'weight_map'. Received: {e!r}."
+        ) from e
+
+
 def weights_files(weights_path: str) -> tuple[str, ...]:
     """The `.h5` files behind a `model.weights.h5` or sharded `model.weights.json`.
 
@@ -162,20 +173,11 @@ def weights_files(weights_path: str) -> tuple[str, ...]:
         )
     if not weights_path.endswith(".json"):
         return (weights_path,)
-    try:
-        with open(weights_path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PresetError(
-            f"Cannot read the sharded weights config {weights_path!r}. "
-            f"Expected JSON with a 'weight_map'. Received: {e!r}."
-        ) from e
-    names: set[str] = set()
-    for value in weight_map.values():
-        names.update(value if isinstance(value, list) else [value])
+    with open(weights_path, "rb") as f:
+        names = _shard_names(f.read(), weights_path)
     folder = os.path.dirname(weights_path)
     files = []
-    for name in sorted(names):
+    for name in names:
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
             raise PresetError(
@@ -540,16 +542,8 @@ def open_weights(location: Any, label: str) -> tuple[str, list[Any]]:
             "neither file. Save the weights with `save_to_preset`."
         )
     entry = location.path_of(_SHARDED_WEIGHTS_FILE)
-    try:
-        weight_map = parse_json(location.read_bytes(_SHARDED_WEIGHTS_FILE), entry)["weight_map"]
-        names = sorted({n for v in weight_map.values() for n in (v if isinstance(v, list) else [v])})
-    except (KeyError, TypeError, AttributeError) as e:
-        raise PresetError(
-            f"Cannot read the sharded weights config {entry!r}. "
-            f"Expected JSON with a 'weight_map'. Received: {e!r}."
-        ) from e
     files = []
-    for name in names:
+    for name in _shard_names(location.read_bytes(_SHARDED_WEIGHTS_FILE), entry):
         try:
             files.append(location.open(name))
         except FileNotFoundError as e:

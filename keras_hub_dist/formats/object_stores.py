@@ -73,9 +73,6 @@ class Store:
         """Which credentials requests carry, for error messages."""
         return "none (anonymous requests)"
 
-    def describe_missing(self, url: str) -> str:
-        return ""
-
     def stat(self, name: str) -> ObjectInfo | None:
         """Size and version of file `name`, or `None` when there is none."""
         response = self.client.request("HEAD", self.url(name), self)

@@ -13,7 +13,7 @@ connections:
 - each response body is read with `http.client`'s `readinto` straight into
   the destination buffers: the socket's `recv_into` fills them, with no
   intermediate copy of a response, a tensor or a file (urllib3's own
-  `readinto` reads into a new `bytes` and copies it: two more copies);
+  `readinto` reads into a new `bytes` and copies it: a second copy);
 - a failure that may pass (a connection reset, a timeout, a short body, HTTP
   429 or 5xx) is retried with exponential backoff and the request resumes
   from the byte reached; what arrived stays;
@@ -143,8 +143,6 @@ class Signer(Protocol):
 
     def credential_source(self) -> str: ...
 
-    def describe_missing(self, url: str) -> str: ...
-
 
 # What a `RangeClient` retries with unless told otherwise.
 DEFAULT_RETRY = RetryPolicy()
@@ -175,9 +173,10 @@ class RangeClient:
     Args:
         concurrency: Requests in flight at once (connections per host too).
         chunk_bytes: The largest range one request asks for.
-        retry: The `RetryPolicy`.
-        user_agent: Sent with every request; the process index is sent as
-            `X-Khd-Process` so a server's logs tell processes apart.
+        retry: The `RetryPolicy` (default `DEFAULT_RETRY`).
+        process_index: Sent as `X-Khd-Process` with every request (beside a
+            `keras-hub-dist/<version>` User-Agent), so a server's logs tell
+            the processes of a job apart.
     """
 
     def __init__(
@@ -213,16 +212,20 @@ class RangeClient:
             ),
         )
         self._threads = ThreadPoolExecutor(concurrency, "keras_hub_dist-fetch")
-        self._closed = threading.Event()
+        self._stopped = threading.Event()
         self.requests = 0
         self.bytes_received = 0
         self._lock = threading.Lock()
 
+    def cancel(self) -> None:
+        """Stops retrying: a request that fails now raises at once (a load
+        that failed elsewhere does not wait out the others' backoffs)."""
+        self._stopped.set()
+
     def close(self) -> None:
-        if not self._closed.is_set():
-            self._closed.set()
-            self._threads.shutdown(wait=True, cancel_futures=True)
-            self._pool.clear()
+        self._stopped.set()
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        self._pool.clear()
 
     def __enter__(self) -> RangeClient:
         return self
@@ -255,6 +258,8 @@ class RangeClient:
         cause: Exception | None = None
         for attempt in range(self.retry.attempts):
             if attempt:
+                if self._stopped.is_set():
+                    break
                 time.sleep(self.retry.delay(attempt - 1, getattr(cause, "retry_after", None)))
             try:
                 signed = {**all_headers, **signer.headers(method, url, all_headers)}
@@ -300,6 +305,20 @@ class RangeClient:
                 f.cancel()
             wait(pending)
             raise failed[0].exception()
+
+
+def _body_readinto(response: Any) -> Callable[[memoryview], int]:
+    """The body's `readinto` that fills the caller's buffer straight from
+    the socket and, when the connection breaks, returns what did arrive.
+
+    urllib3's own `readinto` reads into a new `bytes` and copies it (a second
+    copy of every byte), and raises on a cut body, losing that read's bytes;
+    the `http.client` response it wraps (`_fp`, an attribute of urllib3's
+    `HTTPResponse` since 1.x) does neither."""
+    raw = getattr(response, "_fp", None)
+    if isinstance(raw, http.client.HTTPResponse):
+        return raw.readinto
+    return response.readinto
 
 
 def _version() -> str:
@@ -390,7 +409,7 @@ class RemoteFile:
         cause: Exception | None = None
         for attempt in range(retry.attempts):
             if attempt:
-                if self.client._closed.is_set():
+                if self.client._stopped.is_set():
                     break
                 time.sleep(retry.delay(attempt - 1, getattr(cause, "retry_after", None)))
             received = 0
@@ -432,11 +451,11 @@ class RemoteFile:
         received = 0
         try:
             self._check(response, start, end, length)
-            body = _body_file(response)
+            readinto = _body_readinto(response)
             for view in buffers:
                 position = 0
                 while position < len(view):
-                    n = body.readinto(view[position : position + _READ_STEP])
+                    n = readinto(view[position : position + _READ_STEP])
                     if not n:
                         raise _Retryable(f"the body ended after {received} of {length} bytes")
                     position += n
@@ -508,21 +527,6 @@ class RemoteFile:
                 "Expected one version of every file. Load it again once the "
                 "checkpoint is complete."
             )
-
-
-def _body_file(response: Any) -> Any:
-    """What the body is read from with `readinto`: the underlying
-    `http.client` response, which fills the given buffer from the socket.
-    urllib3's own `readinto` reads into a new `bytes` (itself a copy of a
-    fresh `bytearray`) and copies that into the buffer: two more copies of
-    every byte (BENCHMARKS.md "Remote checkpoints"). A body with a content
-    coding (never asked for: `Accept-Encoding: identity`) goes through
-    urllib3, which decodes it."""
-    coding = response.headers.get("Content-Encoding", "identity").strip().lower()
-    raw = getattr(response, "_fp", None)
-    if coding in ("", "identity") and isinstance(raw, http.client.HTTPResponse):
-        return raw
-    return response
 
 
 class _PartialRead(Exception):

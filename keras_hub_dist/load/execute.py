@@ -3,12 +3,13 @@
 The thin second phase of loading. For every variable of the plan:
 
 1. each distinct local block is read into a fresh, 64-byte-aligned host
-   buffer that nothing else references: `os.preadv` of its exact byte runs
-   when the checkpoint stores the variable as it is (or scatter reads of the
-   file's contiguous stretches into several blocks' buffers at once, see
-   `block_plan`), else the checkpoint format's own `TensorSource.read` (per
-   block, or once for the box the local blocks tile); then cast to the
-   variable's dtype on the host, block by block;
+   buffer that nothing else references: its exact byte runs when the
+   checkpoint stores the variable as it is (`preadv` per block, or the
+   file's contiguous stretches read into several blocks' buffers at once;
+   a remote file always the latter, one range request per stretch, see
+   `block_plan` and `formats.ranged_http`), else the checkpoint format's own
+   `TensorSource.read` (per block, or once for the box the local blocks
+   tile); then cast to the variable's dtype on the host, block by block;
 2. the buffer goes to the first device that holds the block
    (`jax.device_put`; on CPU this may alias the buffer, which is safe because
    the loader drops it at once) and is copied device-to-device to the other
@@ -18,7 +19,19 @@ The thin second phase of loading. For every variable of the plan:
    `jax.make_array_from_single_device_arrays` into the variable's final
    sharding (for a planned device transpose, into its input's sharding, then
    one SPMD transpose program gives the final array) and handed to
-   `on_variable`.
+   `on_variable`. A variable planned as an `Exchange` (blocks that devices of
+   several processes hold) is instead born as zeros in its sharding and
+   filled round by round: each round's parts, read by the processes that
+   hold them, are gathered across the processes' devices and written in
+   place by one SPMD program (the array is donated), so no device holds
+   more than the variable plus one round's pieces.
+
+Reading runs ahead: worker threads read whole variables, in plan order, while
+the caller places earlier ones (at most `PREFETCH_BYTES` read ahead), so
+reading, host transforms and device work overlap; a remote load reads up to
+`concurrency` variables at once. A failure stops the read-ahead (no variable
+starts after it), waits for the reads in flight, and deletes every array
+created.
 
 No full tensor is ever put on one device (unless the variable is replicated),
 no file is memory-mapped, and nothing returned depends on the file: the
@@ -375,6 +388,7 @@ def execute_plan(
     num_threads: int = 2,
     prefetch_threads: int | None = None,
     prefetch_bytes: int = PREFETCH_BYTES,
+    on_failure: Callable[[], None] | None = None,
 ) -> ExecuteStats:
     """Reads and places every variable of `plan`, calling `on_variable` per one.
 
@@ -394,6 +408,8 @@ def execute_plan(
             more, as their reads wait on the network).
         prefetch_bytes: The most host bytes read ahead of the variable being
             placed.
+        on_failure: Called first when the load fails, before waiting for
+            the reads in flight (e.g. to stop a remote client's retries).
 
     Returns:
         `ExecuteStats` of this process.
@@ -453,6 +469,8 @@ def execute_plan(
                 ) from e
         jax.block_until_ready(created)
     except BaseException:
+        if on_failure is not None:
+            on_failure()
         prefetch.close()
         for array in created:
             try:

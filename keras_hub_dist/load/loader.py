@@ -42,6 +42,7 @@ keras.distribution.distribution()  # -> the ModelParallel used to load
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -53,13 +54,13 @@ import keras
 
 from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
-from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.locations import Location, is_remote, open_location
 from keras_hub_dist.formats.ranged_http import DEFAULT_CONCURRENCY, RangeClient
 from keras_hub_dist.formats.transforms import fallbacks
+from keras_hub_dist.load import quantized
 from keras_hub_dist.load.block_plan import LoadPlan, VariableRequest, plan_load
 from keras_hub_dist.load.execute import ExecuteStats, execute_plan
 from keras_hub_dist.load.report import LoadReport
@@ -69,6 +70,9 @@ from keras_hub_dist.measure.memory import MemorySampler
 from keras_hub_dist.plan.build import build_without_values
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
 from keras_hub_dist.plan.mesh import jax_mesh
+from keras_hub_dist.plan import quantization
+from keras_hub_dist.plan.quantization import check_quantize_arguments
+from keras_hub_dist.plan.quantized_layouts import QuantizationAwareModelParallel
 from keras_hub_dist.plan.model_layouts import (
     default_layout_map,
     user_layout_map,
@@ -94,6 +98,7 @@ def load_sharded_preset(
     verify: bool = False,
     concurrency: int = DEFAULT_CONCURRENCY,
     cache_dir: str | os.PathLike | None = None,
+    quantize: str | None = None,
 ) -> keras.Model | tuple[keras.Model, LoadReport]:
     """Loads a KerasHub preset directly into its final sharding.
 
@@ -161,6 +166,13 @@ def load_sharded_preset(
             task loaders read from disk (config, tokenizer) are kept;
             default: a temporary directory removed after the load. Weight
             files are never written to disk.
+        quantize: `"int8"` or `"int4"` to get the model `model.quantize(mode)`
+            gives, bitwise, without the float model ever on a device: each
+            quantized block is computed on the host from the float block as
+            it is read (Keras's own NumPy steps), and only quantized blocks
+            are placed. `dtype` stays the float dtype (scales, activations).
+            A quantized preset (saved after `quantize`) loads as it is,
+            without this argument.
 
     Returns:
         The backbone (or task) model, or `(model, LoadReport)` with
@@ -175,19 +187,23 @@ def load_sharded_preset(
             architecture; an unknown task.
         LayoutError: Mesh axis names the layout map does not use, or a
             dimension the mesh does not divide (the message names the
-            variable and suggests a mesh that works).
+            variable and suggests a mesh that works; for int4, the packed
+            axis).
+        QuantizationError: An unknown `quantize` mode, one this Keras lacks,
+            or a `dtype` it cannot take (e.g. `dtype="int8"`).
     """
     if memory_report:
         sampler = MemorySampler()
     else:
         sampler = contextlib.nullcontext()
     start = time.perf_counter()
+    options = _Options(
+        mesh, layout_map, dtype, task, progress, model_axis, data_axis,
+        dict(task_kwargs or {}), num_threads, verify, concurrency,
+        None if cache_dir is None else os.fspath(cache_dir), quantize,
+    )
     with sampler:
-        model, plan, stats, index, label = _load(
-            preset, mesh, layout_map, dtype, task, progress, model_axis, data_axis,
-            dict(task_kwargs or {}), num_threads, verify, concurrency,
-            None if cache_dir is None else os.fspath(cache_dir),
-        )
+        model, plan, stats, index, label = _load(preset, options)
     wall = time.perf_counter() - start
     if not memory_report:
         return model
@@ -217,63 +233,43 @@ def load_sharded_preset(
     return model, report
 
 
-def _check_dtype(dtype: Any) -> None:
-    """Refuses a dtype (policy) that is not a float one, naming `quantize`.
-
-    Weights are cast to the variables' dtype block by block; an integer
-    policy (Keras reads `"int8"` as a quantized one) would need quantization
-    scales that no checkpoint holds.
-    """
-    if dtype is None:
-        return
-    try:
-        policy = keras.dtype_policies.get(dtype)
-        variable_dtype = keras.backend.standardize_dtype(policy.variable_dtype)
-        floating = policy.quantization_mode is None and "float" in variable_dtype
-    except (ValueError, TypeError):
-        floating = False
-    if not floating:
-        raise PresetError(
-            "Weights are loaded in a float dtype. Expected dtype to be a float "
-            "dtype or dtype policy, e.g. 'bfloat16', 'float16', 'float32' or "
-            f"'mixed_bfloat16'. Received: dtype={dtype!r}. For int8 weights, "
-            'load in a float dtype and quantize: quantize="int8" (or '
-            'quantize="int4"), e.g. load_sharded_preset(preset, '
-            'dtype="bfloat16", quantize="int8").'
-        )
-
-
 def _variable_bytes(var: Any) -> int:
     return math.prod(var.shape) * var.target_dtype.itemsize
 
 
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """`load_sharded_preset`'s arguments, as the phases of a load use them."""
+
+    mesh: Any
+    layout_map: Any
+    dtype: Any
+    task: Any
+    progress: bool | None
+    model_axis: str
+    data_axis: str
+    task_kwargs: dict[str, Any]
+    num_threads: int
+    verify: bool
+    concurrency: int
+    cache_dir: str | None
+    quantize: str | None
+
+
 def _load(
-    preset: Any,
-    mesh: Any,
-    layout_map: Any,
-    dtype: Any,
-    task: Any,
-    progress: bool | None,
-    model_axis: str,
-    data_axis: str,
-    task_kwargs: dict[str, Any],
-    num_threads: int,
-    verify: bool,
-    concurrency: int,
-    cache_dir: str | None,
+    preset: Any, options: _Options
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     # Phase 1: resolve and validate; no device memory is used.
-    _check_dtype(dtype)
+    mode = check_quantize_arguments(options.quantize, options.dtype)
     source = resolve_source(preset)
-    remote = is_remote(source.ref)
-    client = RangeClient(concurrency, process_index=jax.process_index()) if remote else None
+    client = None
+    if is_remote(source.ref):
+        client = RangeClient(options.concurrency, process_index=jax.process_index())
     try:
-        with open_location(source.ref, source.label, client=client, cache_dir=cache_dir) as location:
-            return _load_from(
-                source, location, mesh, layout_map, dtype, task, progress, model_axis,
-                data_axis, task_kwargs, num_threads, verify,
-                prefetch_threads=max(num_threads, concurrency) if remote else num_threads,
-            )
+        with open_location(
+            source.ref, source.label, client=client, cache_dir=options.cache_dir
+        ) as location:
+            return _load_from(source, location, client, options, mode)
     finally:
         if client is not None:
             client.close()
@@ -282,23 +278,20 @@ def _load(
 def _load_from(
     source: PresetSource,
     location: Location,
-    mesh: Any,
-    layout_map: Any,
-    dtype: Any,
-    task: Any,
-    progress: bool | None,
-    model_axis: str,
-    data_axis: str,
-    task_kwargs: dict[str, Any],
-    num_threads: int,
-    verify: bool,
-    prefetch_threads: int,
+    client: RangeClient | None,
+    options: _Options,
+    mode: str | None,
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
+    mesh, layout_map, model_axis, data_axis = (
+        options.mesh, options.layout_map, options.model_axis, options.data_axis
+    )
+    # A remote load's reads wait on the network: more of them run ahead.
+    read_ahead = options.num_threads if client is None else max(options.num_threads, options.concurrency)
     config = read_config(location)
     checkpoint = checkpoint_format(config, source.label)
     backbone_cls, backbone_config = checkpoint.backbone_config(config, source.label)
     metadata = read_metadata(location)
-    task_cls = task_class(task, backbone_cls, metadata, source.label) if task else None
+    task_cls = task_class(options.task, backbone_cls, metadata, source.label) if options.task else None
     if mesh is None and isinstance(layout_map, keras.distribution.LayoutMap):
         device_mesh = layout_map.device_mesh
     else:
@@ -306,20 +299,27 @@ def _load_from(
 
     # Exactly what `Backbone.from_preset(preset, dtype=dtype)` does: the
     # argument (None included, i.e. Keras's global dtype policy) replaces the
-    # saved policy.
-    backbone, deferred = build_without_values(backbone_cls, {**backbone_config, "dtype": dtype})
+    # saved policy, except a quantized preset's policy map, which is kept.
+    backbone_config = quantized.preset_config(backbone_config, options.dtype, mode, source.label)
+    backbone, deferred = build_without_values(backbone_cls, backbone_config)
+    _compat.own_dtype_policies(backbone)  # a quantized preset's layers
+    quantizing = None
     try:
         index = checkpoint.index_checkpoint(backbone, location, source.label, config)
-        if verify:
+        if options.verify:
             checksums.verify_files(
-                index.opened or index.files, metadata, source.label,
-                num_threads=prefetch_threads,
+                index.opened or index.files, metadata, source.label, num_threads=read_ahead
             )
         if layout_map is None:
             resolved_map = default_layout_map(backbone, device_mesh, model_axis, data_axis)
         else:
             resolved_map = user_layout_map(layout_map, device_mesh)
-        distribution = keras.distribution.ModelParallel(
+        float_map = resolved_map
+        if mode is not None and not quantization.quantized_tensors(backbone):
+            quantizing = quantized.quantize_checkpoint(backbone, index, mode)
+            index, deferred = quantizing.index, quantizing.pending(deferred)
+        resolved_map = quantized.quantized_layout_map(backbone, resolved_map, float_map)
+        distribution = QuantizationAwareModelParallel(
             layout_map=resolved_map,
             batch_dim_name=data_axis if data_axis in device_mesh.axis_names else None,
         )
@@ -336,16 +336,21 @@ def _load_from(
         # in every layer; the layout, chosen by path, is the same for all.
         variables = {id(p): e.variable for p, e in zip(plan.variables, index.entries)}
 
+        if quantizing is not None:
+            quantized.run_combine(plan, shardings, quantizing.quantizers)
+
         # Phase 2: read and place, straight into the final shardings.
         def fill(var_plan: Any, array: jax.Array) -> None:
             _compat.materialize_deferred_variable(
                 variables[id(var_plan)], array, layouts[var_plan.path]
             )
+            if quantizing is not None:
+                quantizing.filled(variables[id(var_plan)])
 
-        bar = byte_progress(plan.read_bytes, f"Loading {source.short}", progress)
+        bar = byte_progress(plan.read_bytes, f"Loading {source.short}", options.progress)
         stats = execute_plan(
-            plan, shardings, devices, fill, progress=bar, num_threads=num_threads,
-            prefetch_threads=prefetch_threads,
+            plan, shardings, devices, fill, progress=bar, num_threads=options.num_threads,
+            prefetch_threads=read_ahead, on_failure=None if client is None else client.cancel,
         )
         with distribution.scope():
             # Variables Keras never saves (e.g. seed generator states) get
@@ -356,7 +361,9 @@ def _load_from(
                     _compat.initialize_pending([v])
             model = backbone
             if task_cls is not None:
-                model = build_task(task_cls, location, backbone, task_kwargs)
+                model = build_task(task_cls, location, backbone, options.task_kwargs)
+            # A later `model.quantize(...)` finds its variables' layouts.
+            distribution.cover(backbone)
     except BaseException:
         for v in deferred:
             value = _compat.variable_array(v)

@@ -62,7 +62,9 @@ _LEGEND = (
     "the column weights feeding it); embedding: indexed dim sharded; "
     "bias/vector: replicated; other: used only element-wise (e.g. learned "
     "positions) or not at all (e.g. an output embedding only a task head "
-    "uses) by the traced forward pass, largest divisible dim sharded."
+    "uses) by the traced forward pass, largest divisible dim sharded; "
+    "quant: a quantized kernel's scale / zero point / g_idx, laid out "
+    "after its values."
 )
 
 

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from keras_hub_dist.validate.options import CHECKPOINT_FORMATS, ValidateOptions
+from keras_hub_dist.validate.options import CHECKPOINT_FORMATS, QUANTIZE_MODES, ValidateOptions
 from keras_hub_dist.validate.plot import plot_report, require_matplotlib
 from keras_hub_dist.validate.report import format_report, over_budget_lines, write_json
 from keras_hub_dist.validate.runner import run_validation
@@ -125,6 +125,15 @@ def _add_validate_flags(parser: argparse.ArgumentParser) -> None:
         "architecture's own dtype). A preset directory is read in its own format. "
         "Default: %(default)s.",
     )
+    add(
+        "--quantize",
+        choices=QUANTIZE_MODES,
+        default=None,
+        help="Measure quantized models: ours loads (builds) with quantize=MODE, stock "
+        "loads (builds) in float under the same distribution, then calls "
+        "model.quantize(MODE) (its failure is reported). --dtype stays the float "
+        "dtype. Default: float models.",
+    )
     add("--quiet", action="store_true", help="No progress lines, only the table.")
 
 
@@ -165,6 +174,7 @@ def options_from_args(args: argparse.Namespace) -> ValidateOptions:
         timeout_s=args.timeout_s,
         preset_cache=args.preset_cache,
         checkpoint_format=args.checkpoint_format,
+        quantize=args.quantize,
     )
 
 

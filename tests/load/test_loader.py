@@ -359,12 +359,13 @@ def test_layout_map_key_that_is_not_a_regular_expression(gemma_preset, clean_sta
 
 @pytest.mark.parametrize("dtype", ["int8", "int4", "int32", "int8_from_float32"])
 def test_integer_dtype_points_to_quantize(gemma_preset, dtype, clean_state):
-    with clean_state(), pytest.raises(PresetError) as info:
+    with clean_state(), pytest.raises(keras_hub_dist.QuantizationError) as info:
         load_sharded_preset(gemma_preset, mesh=(1, 8), dtype=dtype)
     message = str(info.value)
     assert "Weights are loaded in a float dtype. Expected dtype to be a float dtype" in message
     assert f"Received: dtype={dtype!r}." in message
     assert 'For int8 weights, load in a float dtype and quantize: quantize="int8"' in message
+    assert "(quantize= takes one of 'int8', 'int4')" in message
     assert "Cannot convert `policy`" not in message  # not Keras's text
 
 

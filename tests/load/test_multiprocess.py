@@ -8,6 +8,7 @@ parts and exchanged between the devices); the global model is one model, and
 a jitted forward pass gives the single-process logits.
 """
 
+import hashlib
 import os
 import pathlib
 import sys
@@ -40,6 +41,32 @@ def tiny_preset(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def stock_int8(tiny_preset):
+    """Stock, one process: from_preset, then quantize("int8")."""
+    keras.distribution.set_distribution(None)
+    backbone = keras_hub.models.Backbone.from_preset(tiny_preset)
+    backbone.quantize("int8")
+    return {v.path: np.asarray(v.value) for v in backbone.weights}
+
+
+def _check_quantized(reports, reference, file_bytes, split_over_processes):
+    """Every block each process holds is stock's quantized block, bitwise,
+    from the file bytes of its own blocks (the statistics of row-split
+    kernels came from the other processes through the collective)."""
+    seen = {}
+    for report in reports:
+        for path, blocks in report["quantized_digests"].items():
+            for block, digest in blocks.items():
+                index = tuple(slice(*map(int, b.split(":"))) for b in block.split(","))
+                expected = hashlib.sha256(reference[path][index].tobytes()).hexdigest()
+                assert digest == expected, (path, block)
+                seen.setdefault(path, set()).add(block)
+        if split_over_processes:
+            assert report["quantized_read_bytes"] < file_bytes
+    assert set(seen) == set(reference)
+
+
 def _run_job(preset, num_processes, local_devices, mesh, out_dir):
     return run_job(WORKER, num_processes, local_devices, [preset, mesh, out_dir], out_dir)
 
@@ -58,7 +85,7 @@ def _reference_logits(preset, mesh):
     [(2, 4, "1x8"), (2, 4, "2x4"), (4, 2, "1x8")],
 )
 def test_each_process_reads_only_its_shards(
-    tiny_preset, tmp_path, num_processes, local_devices, mesh
+    tiny_preset, stock_int8, tmp_path, num_processes, local_devices, mesh
 ):
     reports = _run_job(tiny_preset, num_processes, local_devices, mesh, tmp_path)
     index = {e.path: e.source.dataset for e in build_index(
@@ -96,6 +123,7 @@ def test_each_process_reads_only_its_shards(
     assert merge_ranges(job_reads) == all_datasets
     assert sum(b - a for a, b in job_reads) == file_bytes
     assert len(set(seen_devices)) == 8  # disjoint local devices, one global mesh
+    _check_quantized(reports, stock_int8, file_bytes, mesh == "1x8")
 
     reference = _reference_logits(tiny_preset, mesh)
     for process_id in range(num_processes):
@@ -119,10 +147,17 @@ def test_each_process_reads_only_its_shards(
 
 
 
-def test_hugging_face_checkpoint_each_process_reads_only_its_share(tmp_path):
+@pytest.mark.parametrize("mesh,device_transposes", [("1x8", False), ("2x4", True)])
+def test_hugging_face_checkpoint_each_process_reads_only_its_share(
+    tmp_path, monkeypatch, mesh, device_transposes
+):
     """The same guarantees for a Hugging Face checkpoint: each process reads
-    exactly the bytes of the blocks its devices hold (transposed kernels
-    included), and the model computes the single-process logits."""
+    only bytes of the blocks its devices hold (transposed kernels included),
+    the job every byte once, and the model computes the single-process
+    logits. On 2x4 every block is held on both processes (exchanged), and
+    every kernel is transposed on the devices, as large ones are."""
+    if device_transposes:
+        monkeypatch.setenv("KHD_DEVICE_TRANSPOSE_MIN_BYTES", "0")
     from tests.formats.hf import dense
     from tests.formats.hf.writer import write_hf_checkpoint
 
@@ -134,7 +169,7 @@ def test_hugging_face_checkpoint_each_process_reads_only_its_share(tmp_path):
     preset = write_hf_checkpoint(str(tmp_path / "hf_llama"), config, tensors, num_shards=2)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    reports = _run_job(preset, 2, 4, "1x8", out_dir)
+    reports = _run_job(preset, 2, 4, mesh, out_dir)
     file_bytes = sum(t.nbytes for t in tensors.values())
     header_bytes = 0
     for name in os.listdir(preset):
@@ -155,7 +190,7 @@ def test_hugging_face_checkpoint_each_process_reads_only_its_share(tmp_path):
         assert sum(n for _, n in report["header_reads"]) == header_bytes
         total += read_bytes
     assert total == file_bytes  # every byte once over the job, norms included
-    reference = _reference_logits(preset, "1x8")
+    reference = _reference_logits(preset, mesh)
     for process_id in range(2):
         logits = np.load(out_dir / f"logits_{process_id}.npy")
         np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)

@@ -54,26 +54,26 @@ def test_flaky_server_gives_a_bitwise_correct_load(preset, reference, remote_che
     # is retried, and a cut one resumed from the byte it reached.
     remote = remote_checkpoint(preset, schemes=[scheme], fail_rate=0.1, cut_rate=0.05,
                                retry_after=0, seed=3)[scheme]
-    server, seen = remote.server, []
+    server, forced = remote.server, []
+    draw = server._draw
 
-    def one_of_each(path):
-        # Beside the random faults, the weights file's first GET is cut for
-        # sure and its second refused, whatever the draws: both paths of
-        # the retry are taken in every run.
-        server.cut_rate = 0.05
-        if path.endswith("model.weights.h5"):
-            seen.append(path)
-            if len(seen) == 2:
-                server.cut_rate = 1.0
-            if len(seen) == 3:
-                return 503
-        return None
+    def one_of_each(kind, method, path, range_header):
+        # Beside the random faults, the weights file's first ranged GET is
+        # cut for sure and its second refused, whatever the seed draws:
+        # both paths of the retry are taken in every run.
+        if path.endswith("model.weights.h5") and range_header and kind == "fail":
+            forced.append(range_header)
+        if len(forced) == 1 and range_header == forced[0]:
+            return {"fail": 1.0, "cut": 0.0}.get(kind, draw(kind, method, path, range_header))
+        if len(forced) == 2 and range_header == forced[1] and kind == "fail":
+            return 0.0
+        return draw(kind, method, path, range_header)
 
-    server.status_for = one_of_each
+    server._draw = one_of_each
     model = load_sharded_preset(remote.url, mesh=(2, 4), progress=False)
     _assert_equal(model, reference)
     log = remote.requests("model.weights.h5")
-    assert {"cut", "status"} <= {r.fault for r in log}, log
+    assert {"cut", "fail"} <= {r.fault for r in log}, log
     # A cut body's bytes are not asked for again (each retry resumes where
     # its body stopped): beside the metadata reads, each tensor byte comes
     # once, but what a failed attempt sent before it failed.
