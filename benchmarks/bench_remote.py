@@ -449,7 +449,7 @@ def summarize(records: list[dict]) -> str:
     rows = ["| format | stage | case | wall s (median; runs) | / download | / stock "
             "| fetched / checkpoint (per process) | requests | RSS growth / held (max) "
             "| written to disk (max); left (largest file) | peak / final (max) | CPU s client; server |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for r in records:
         groups.setdefault((r["format"], r["stage"]), {}).setdefault(r["case"], []).append(r)
