@@ -168,7 +168,9 @@ def _case_floor(args, huge_pages: bool) -> dict:
     }
 
 
-def _case_load(args, which: str, sample: bool) -> dict:
+def _case_load(
+    args, which: str, sample: bool, mesh_shape: tuple[int, int] = (1, 8), **load_kwargs
+) -> dict:
     import contextlib
     import gc
 
@@ -179,7 +181,7 @@ def _case_load(args, which: str, sample: bool) -> dict:
     import keras_hub_dist
     from keras_hub_dist.measure import memory
 
-    mesh = keras.distribution.DeviceMesh((1, 8), ("batch", "model"), jax.devices())
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), jax.devices())
     if which == "stock":
         backbone_cls = keras_hub_dist.presets.resolve(CONFIGS[args.config]["architecture"]).backbone_class
         layout_map = keras_hub_dist.get_layout_map(backbone_cls, mesh)
@@ -198,7 +200,7 @@ def _case_load(args, which: str, sample: bool) -> dict:
         if which == "ours":
             model = keras_hub_dist.load_sharded_preset(
                 args.preset, mesh=mesh, dtype=args.dtype, progress=False,
-                num_threads=args.num_threads,
+                num_threads=args.num_threads, **load_kwargs,
             )
         else:
             with distribution.scope():
@@ -214,6 +216,8 @@ def _case_load(args, which: str, sample: bool) -> dict:
         "wall_s": wall,
         "cpu_s": cpu,
         "model_bytes": sum(a.nbytes for a in arrays),
+        # What this process's devices hold (all of it in a one-process job).
+        "held_bytes": sum(s.data.nbytes for a in arrays for s in a.addressable_shards),
         "host_rss_start": rss0,
         "host_rss_peak": max(memory.host_peak_rss_bytes(), memory.current_rss_bytes()),
         "specs": sorted({str(a.sharding.spec) for a in arrays}),

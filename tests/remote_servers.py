@@ -477,6 +477,10 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
     """Tracks its connections and their threads, so `stop` leaves none."""
 
     daemon_threads = True
+    # socketserver's default listen backlog is 5: a client opening 16
+    # connections at once has the rest dropped and retried a second later
+    # (the kernel's SYN retransmit), which no object store does.
+    request_queue_size = 128
 
     def __init__(self, address, owner: RangeServer):
         self.owner = owner
