@@ -73,6 +73,7 @@ __all__ = [
     "backbone_config",
     "index_checkpoint",
     "recognizes",
+    "trace_sources",
 ]
 
 FORMAT = "huggingface"
@@ -166,15 +167,26 @@ class _Trace:
         self.read: set[str] = set()
 
 
-def _tracing_loader(ref: str, files: SafetensorsCheckpoint, trace: _Trace) -> Any:
+def _tracing_loader(ref: str | None, files: SafetensorsCheckpoint, trace: _Trace) -> Any:
     """KerasHub's `SafetensorLoader`, serving `LazyArray`s (no tensor read).
 
     A subclass, so key resolution (`get_prefixed_key`, prefixes, the index)
-    is KerasHub's own.
+    is KerasHub's own; the index and headers are `files`' (already read and
+    validated, or planned and not yet written), so it opens nothing.
     """
     base = _compat.safetensor_loader_class()
 
     class TracingLoader(base):
+        def __init__(self) -> None:  # what the base sets, from `files`
+            contextlib.ExitStack.__init__(self)
+            self.preset = ref
+            self.safetensor_config = (
+                None if files.weight_map is None else {"weight_map": dict(files.weight_map)}
+            )
+            self.safetensor_files: dict[str, Any] = {}
+            self.prefix = None
+            self.fname = None
+
         def get_tensor(self, hf_weight_key: str) -> LazyArray:
             if self.safetensor_config is None:
                 fname = self.fname if self.fname is not None else SINGLE_FILE
@@ -231,7 +243,7 @@ def _tracing_loader(ref: str, files: SafetensorsCheckpoint, trace: _Trace) -> An
                     )
             keras_variable.assign(value)
 
-    return TracingLoader(ref)
+    return TracingLoader()
 
 
 @contextlib.contextmanager
@@ -294,18 +306,9 @@ def _source_of(
         return f"{variable.path}: the converter assigned a {type(value).__name__}"
 
 
-def index_checkpoint(
-    model: keras.Model, ref: str, label: str, config: Mapping[str, Any]
-) -> CheckpointIndex:
-    """Traces KerasHub's converter on `model` and validates every value.
-
-    Raises:
-        PresetError: A corrupt or incomplete checkpoint, a tensor missing
-            or of the wrong shape for config.json (the message names the
-            tensor, the variable, expected and received), a value that cannot
-            be loaded block-wise.
-    """
-    files = checkpoint_files(ref, label)
+def _trace(model: keras.Model, ref: str | None, files: SafetensorsCheckpoint, config: Mapping[str, Any], label: str) -> tuple[_Trace, dict[int, Any]]:
+    """Runs KerasHub's converter on `model` with lazy tensors from `files`;
+    returns the trace and the saved variables by id."""
     converter = _converter(config, label)
     saved = {id(v): v for v in keras_h5.expected_datasets(model).values()}
     trace = _Trace(list(saved.values()))
@@ -324,6 +327,52 @@ def index_checkpoint(
             trace.problems.append(
                 f"KerasHub's converter stopped: {type(e).__name__}: {e}"
             )
+    return trace, saved
+
+
+def trace_sources(
+    model: keras.Model, files: SafetensorsCheckpoint, config: Mapping[str, Any]
+) -> tuple[dict[int, TensorSource], list[str]]:
+    """What KerasHub's converter makes of `files` (headers only: the files
+    need not exist): each variable's `TensorSource` by `id(variable)`, and
+    the problems (a tensor missing, a value that is not block-wise).
+
+    The exporter (`keras_hub_dist.save`) traces the files it is about to
+    write, to invert the converter.
+    """
+    label = "the planned checkpoint"
+    trace, saved = _trace(model, None, files, config, label)
+    tensors = {n: t for h in files.headers.values() for n, t in h.tensors.items()}
+    problems = list(trace.problems)
+    sources: dict[int, TensorSource] = {}
+    model_type = str(config.get("model_type"))
+    for key, value in trace.values.items():
+        source = _source_of(value, saved[key], model_type, tensors)
+        if isinstance(source, str):
+            problems.append(source)
+        elif tuple(source.shape) != tuple(saved[key].shape):
+            problems.append(
+                f"{saved[key].path}: KerasHub's conversion of {sorted(leaves_of(value)) or source.description} "
+                f"has shape {tuple(source.shape)}, expected {tuple(saved[key].shape)}"
+            )
+        else:
+            sources[key] = source
+    return sources, problems
+
+
+def index_checkpoint(
+    model: keras.Model, ref: str, label: str, config: Mapping[str, Any]
+) -> CheckpointIndex:
+    """Traces KerasHub's converter on `model` and validates every value.
+
+    Raises:
+        PresetError: A corrupt or incomplete checkpoint, a tensor missing
+            or of the wrong shape for config.json (the message names the
+            tensor, the variable, expected and received), a value that cannot
+            be loaded block-wise.
+    """
+    files = checkpoint_files(ref, label)
+    trace, saved = _trace(model, ref, files, config, label)
 
     tensors = {n: t for h in files.headers.values() for n, t in h.tensors.items()}
     entries, unassigned, problems = [], [], list(trace.problems)

@@ -1,0 +1,332 @@
+"""Export a sharded model as a Hugging Face (Transformers) checkpoint, from
+every process, with no gather: `save_sharded_preset(..., format="huggingface")`.
+
+Stock `export_to_transformers` turns every weight into one host NumPy array
+(device transposes included) and writes one `model.safetensors`: host memory
+grows by more than the model, and a model spread over several processes
+cannot be exported at all. Here the steps of the Keras-format save
+(`save.saver`) are kept, and only the file layout differs:
+
+1. every process checks and agrees on the target and the model, then maps
+   the model to its checkpoint (`save.hf_mapping`: KerasHub's exporter and
+   importer replayed on a copy of the model built without values);
+2. process 0 creates the safetensors files in a temporary directory beside
+   the target, headers written and data a hole (`formats.safetensors_writer`,
+   Transformers' sharding), plus config.json, generation_config.json and a
+   task's tokenizer files (`save.hf_files`);
+3. each distinct block of each variable is written by one process holding
+   it (`save.write_plan.block_owners`), through the pieces of the tensors it
+   lands in (`formats.pieces.block_writes`), with positioned writes: a block
+   whose bytes are in the file's order goes from the device buffer as it is,
+   one that needs a transpose or a cast through a 16 MiB host buffer
+   (`save.piece_write`);
+4. the files are hashed (each process a share of the 64 MiB chunks) and the
+   checksums recorded in `model.safetensors.index.json`'s metadata;
+5. process 0 publishes the directory with a rename once all have finished.
+
+Example:
+
+```python
+keras_hub_dist.save_sharded_preset(lm, "./gemma_hf", format="huggingface")
+transformers.AutoModelForCausalLM.from_pretrained("./gemma_hf")
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from keras_hub_dist import _compat, _processes
+from keras_hub_dist._progress import byte_progress
+from keras_hub_dist.errors import SaveError
+from keras_hub_dist.formats import checksums, host_io, keras_h5
+from keras_hub_dist.formats.base import Index
+from keras_hub_dist.formats.pieces import BlockWrite, block_writes
+from keras_hub_dist.formats.safetensors_files import INDEX_FILE
+from keras_hub_dist.formats.safetensors_writer import SafetensorsLayout, create_files, index_json, plan_files
+from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.save.hf_files import write_hf_files
+from keras_hub_dist.save.hf_mapping import HfMapping, hf_mapping
+from keras_hub_dist.save.piece_write import PieceWriter
+from keras_hub_dist.save.saver import (
+    _backbone_and_task,
+    _device_indices,
+    _guard,
+    _local_digests,
+    _model_error,
+    _publish,
+    _saved_array,
+    _target_error,
+    _weight_set,
+)
+from keras_hub_dist.save.write_plan import block_owners
+
+__all__ = ["BlockPlan", "checksummed_index", "plan_blocks", "save_huggingface", "shard_size"]
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """One block this process writes: where it comes from and its writes
+    `(file path, BlockWrite, file dtype)`."""
+
+    device_id: int | None
+    index: Index
+    writes: tuple[tuple[str, BlockWrite, np.dtype], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for _, w, _ in self.writes)
+
+
+def shard_size(max_shard_size: float | int | str | None) -> int | str:
+    """`max_shard_size` as Transformers takes it: `None` for its default
+    (`"50GB"`), a number of GB (as for the Keras format), or a string such as
+    `"5GB"`."""
+    if max_shard_size is None:
+        return "50GB"
+    if isinstance(max_shard_size, str):
+        return max_shard_size
+    return max(1, int(max_shard_size * 1e9))
+
+
+def plan_blocks(
+    mapping: HfMapping,
+    layout: SafetensorsLayout,
+    directory: str,
+    device_indices: Mapping[str, Mapping[Any, Index] | None],
+    *,
+    process_index: int,
+    process_count: int,
+) -> tuple[dict[str, list[BlockPlan]], list[int]]:
+    """Which blocks of which dataset this process writes, and how.
+
+    Args:
+        mapping: The model's checkpoint.
+        layout: Its files.
+        directory: Where the files are.
+        device_indices: Dataset -> device -> the block it holds (`None`: a
+            host value, written by process 0).
+        process_index: This process.
+        process_count: Processes of the job.
+
+    Returns:
+        `(dataset -> its blocks here, bytes each process writes)`.
+    """
+    load = [0] * process_count
+    specs = {t.name: t for t in layout.tensors}
+    plans: dict[str, list[BlockPlan]] = {}
+    for dataset, pairs in mapping.pieces.items():
+        shape = mapping.shapes[dataset]
+        itemsize = max(np.dtype(specs[t].dtype).itemsize for t, _ in pairs)
+        indices = device_indices[dataset]
+        if indices is None:
+            full = tuple((0, d) for d in shape)
+            load[0] += int(np.prod(shape)) * itemsize
+            owners = [(full, None)] if process_index == 0 else []
+        else:
+            owners = [(i, d) for i, d in block_owners(indices, itemsize, load) if d.process_index == process_index]
+        mine = []
+        for index, device in owners:
+            writes = []
+            for tensor, piece in pairs:
+                file, offset = layout.place(tensor)
+                dtype = np.dtype(specs[tensor].dtype)
+                for write in block_writes(piece, shape, index, offset, dtype.itemsize):
+                    writes.append((os.path.join(directory, file), write, dtype))
+            mine.append(BlockPlan(None if device is None else device.id, index, tuple(writes)))
+        plans[dataset] = mine
+    return plans, load
+
+
+def checksummed_index(layout: SafetensorsLayout, paths: list[str], digests: np.ndarray) -> str:
+    """`model.safetensors.index.json` with the checksum of every file (from
+    `digests`, one row per 64 MiB chunk of `paths`, in order)."""
+    sizes = [os.path.getsize(p) for p in paths]
+    keys = checksums.all_chunks(sizes)
+    recorded = {}
+    for number, (path, size) in enumerate(zip(paths, sizes)):
+        rows = [row for row, key in enumerate(keys) if key[0] == number]
+        recorded[os.path.basename(path)] = checksums.FileChecksum(
+            size, checksums.CHUNK_BYTES, tuple(digests[r].tobytes().hex() for r in rows)
+        ).to_json()
+    return index_json(layout, {checksums.METADATA_KEY: {"checksums": recorded}})
+
+
+def _quantization_error(model: Any) -> str | None:
+    quantized = sorted({
+        layer.path
+        for layer in model._flatten_layers()
+        if getattr(getattr(layer, "dtype_policy", None), "quantization_mode", None)
+    })
+    if not quantized:
+        return None
+    return (
+        f"Expected an unquantized model. Received: {len(quantized)} quantized layer(s), e.g. "
+        f"{quantized[:3]}; the Hugging Face export writes floating-point weights only. "
+        "Export the model before `quantize(...)`, or save it with format='keras'."
+    )
+
+
+def _write(backbone: Any, plans: dict[str, list[BlockPlan]], progress: bool | None, base: str) -> str | None:
+    """Writes this process's blocks; returns its first error as a message.
+    The walk runs to its end after an error (LoRA merges are collective)."""
+    files = host_io.FileDescriptors(os.O_WRONLY)
+    writer = PieceWriter(files)
+    bar = byte_progress(sum(b.nbytes for p in plans.values() for b in p), f"Exporting {base}", progress)
+    error: list[str] = []
+    seen: set[str] = set()
+
+    def write(name: str, key: str, value: Any) -> None:
+        seen.add(name)
+        blocks = plans.get(name)
+        if error or not blocks:
+            return
+        array = _saved_array(value)
+        try:
+            shards = {s.device.id: s for s in array.addressable_shards} if isinstance(array, jax.Array) else {}
+            for block in blocks:
+                if block.device_id is None:
+                    host = np.asarray(array)
+                else:
+                    host = _compat.host_array(shards[block.device_id].data)
+                expected = tuple(b - a for a, b in block.index)
+                if tuple(host.shape) != expected:
+                    raise ValueError(f"block {block.index} has shape {host.shape}, expected {expected}")
+                writer.write(host, block.writes)
+                bar.update(block.nbytes)
+                del host
+        except Exception as e:  # noqa: BLE001 - reported on every process
+            error.append(f"writing dataset {name!r} failed: {type(e).__name__}: {e}")
+
+    try:
+        keras_h5.walk_saved_values(backbone, write)
+        missing = sorted(set(plans) - seen)
+        if missing and not error:
+            error.append(f"the model no longer saves {missing[:3]} (changed since it was mapped)")
+    except Exception as e:  # noqa: BLE001 - the walk itself failed
+        error.append(f"{type(e).__name__}: {e}")
+    finally:
+        with contextlib.suppress(OSError):
+            files.close()
+        bar.close()
+    return error[0] if error else None
+
+
+def _mapping_of(backbone: Any, task: Any, dtype: Any) -> HfMapping:
+    """The checkpoint of `backbone`, mapped on a copy built without values."""
+    twin, created = build_without_values(type(backbone), backbone.get_config())
+    try:
+        tokenizer = getattr(getattr(task, "preprocessor", None), "tokenizer", None)
+        return hf_mapping(twin, tokenizer=tokenizer, dtype=dtype)
+    finally:
+        _compat.forget_deferred_variables(created)
+
+
+def save_huggingface(
+    model: Any,
+    preset_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    max_shard_size: float | int | str | None = None,
+    num_threads: int = 2,
+    dtype: Any = None,
+) -> None:
+    """`save_sharded_preset(model, preset_dir, format="huggingface")`; see
+    `keras_hub_dist.save_sharded_preset`."""
+    target = os.path.abspath(os.fspath(preset_dir))
+    targets = _processes.gather_strings(target)
+    if len(set(targets)) > 1:
+        raise SaveError(
+            "Expected every process to pass the same preset_dir. Received: "
+            + ", ".join(f"process {i}: {t!r}" for i, t in enumerate(targets))
+            + ". Pass one path on a filesystem all processes share."
+        )
+    backbone, task = _backbone_and_task(model)
+    _processes.check_all(_model_error(model) or _quantization_error(model), SaveError, "Cannot export the model")
+    _processes.check_all(_target_error(target, overwrite), SaveError, f"Cannot save to {target!r}")
+
+    found: list[HfMapping] = []
+    error = _guard(lambda: found.append(_mapping_of(backbone, task, dtype)))
+    _processes.check_all(error, SaveError, "Mapping the model to the Hugging Face format failed")
+    mapping = found[0]
+    layout = plan_files(mapping.tensors, shard_size(max_shard_size))
+    weight_set = _weight_set(backbone, (), "", None)
+
+    parent, base = os.path.split(target)
+    token = _processes.broadcast_string(secrets.token_hex(6))
+    staging = os.path.join(parent, f".{base}.partial-{token}")
+    paths = [os.path.join(staging, f.name) for f in layout.files]
+    try:
+        error = None
+        if jax.process_index() == 0:
+            error = _guard(lambda: _prepare(staging, layout, backbone, task, mapping))
+        _processes.check_all(error, SaveError, f"Preparing {staging!r} failed")
+
+        plans: dict[str, list[BlockPlan]] = {}
+
+        def plan() -> None:
+            indices = {
+                d: None if weight_set.shardings.get(d) is None
+                else _device_indices(weight_set.shardings[d], mapping.shapes[d])
+                for d in mapping.pieces
+            }
+            plans.update(plan_blocks(
+                mapping, layout, staging, indices,
+                process_index=jax.process_index(), process_count=jax.process_count(),
+            )[0])
+            missing = [p for p in paths if not os.path.exists(p)]
+            if missing:
+                raise SaveError(
+                    f"Process {jax.process_index()} cannot see {missing[0]!r}, which process 0 "
+                    "created. Expected every process to share the filesystem of preset_dir."
+                )
+
+        error = _guard(plan)
+        _processes.check_all(error, SaveError, "Planning the writes failed")
+
+        error = _write(backbone, plans, progress, base)
+        _processes.check_all(error, SaveError, "Writing the weights failed")
+
+        table: list[np.ndarray] = []
+        error = _guard(lambda: table.append(_local_digests(paths, num_threads)))
+        _processes.check_all(error, SaveError, "Hashing the weights files failed")
+        digests = _processes.sum_over_processes(table[0])
+
+        if jax.process_index() == 0:
+            error = _guard(lambda: _finish(staging, target, layout, paths, digests, token))
+        _processes.check_all(error, SaveError, f"Publishing {target!r} failed")
+    except BaseException:
+        if jax.process_index() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _prepare(staging: str, layout: SafetensorsLayout, backbone: Any, task: Any, mapping: HfMapping) -> None:
+    try:
+        os.makedirs(os.path.dirname(staging), exist_ok=True)
+        os.mkdir(staging)
+    except OSError as e:
+        raise SaveError(
+            f"Expected to create a directory beside preset_dir. Received: "
+            f"{type(e).__name__}: {e}. Choose a preset_dir on a writable "
+            "filesystem, or fix its permissions."
+        ) from e
+    write_hf_files(staging, backbone, task, mapping.config)
+    create_files(layout, staging)
+
+
+def _finish(staging: str, target: str, layout: SafetensorsLayout, paths: list[str], digests: np.ndarray, token: str) -> None:
+    with open(os.path.join(staging, INDEX_FILE), "w", encoding="utf-8") as f:
+        f.write(checksummed_index(layout, paths, digests))
+    _publish(staging, target, token)
+

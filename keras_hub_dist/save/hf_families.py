@@ -1,0 +1,471 @@
+"""What a Transformers checkpoint of a family holds where KerasHub's exporter
+says nothing or says it wrong: tensor names and shapes, and config.json.
+
+KerasHub 0.32 exports Gemma, Gemma 3, Gemma 4, Llama 3, Mistral, Qwen 2,
+Qwen 3.5 and GPT-2 (`get_*_config` / `get_*_weights_map`, replayed by
+`save.hf_mapping`). It imports, but cannot export, Qwen 3, Qwen3-MoE,
+Mixtral, gpt-oss and SmolLM3. For those, this module gives only the *layout*
+of the checkpoint Transformers reads (each tensor's name and shape, in the
+order of Transformers' state dict, which decides the shard split) and its
+config.json; which variable elements go where is KerasHub's import
+converter, traced on that very layout and inverted (`save.hf_mapping`), and
+the layout is checked by that trace (a missing, extra or misshapen tensor
+is an error).
+
+Corrections of stock, each tested against Transformers:
+
+- Gemma: `get_gemma_weights_map` keeps only the first K/V head
+  (`key_dense.weights[0][0]`) and reshapes the query kernel across heads
+  (`reshape(-1, hidden_dim)` of a (hidden, heads, head_dim) array); both
+  are only right for one K/V head and `heads * head_dim == hidden_dim`
+  (gemma_2b's shape, not gemma_7b's). The shapes here are Transformers'
+  (`(heads * head_dim, hidden)`), and the values KerasHub's converter's.
+- Gemma 2 (a `GemmaBackbone` with post norms and soft caps) is written as a
+  `gemma2` checkpoint; stock writes it as `gemma`, without the post norms.
+- Qwen 2: `get_qwen_config` has no `use_sliding_window` / `sliding_window`,
+  which KerasHub's own converter requires: they are added.
+
+Example:
+
+```python
+family = FAMILIES["Qwen3Backbone"]
+family.layout(backbone)   # [("model.embed_tokens.weight", (vocab, hidden)), ...]
+family.config(backbone)   # config.json contents
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FAMILIES", "GEMMA2", "Family", "corrected_layout", "corrected_config", "gemma2_like"]
+
+Layout = list[tuple[str, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family KerasHub cannot export.
+
+    Attributes:
+        model_type: Transformers' `model_type`.
+        layout: Backbone -> `[(tensor name, shape)]`, in state-dict order.
+        config: Backbone -> config.json contents (without token ids).
+        traced_as: Tensor name -> the `(name, shape, dtype)`s KerasHub's
+            converter reads instead (gpt-oss's experts: MXFP4 blocks and
+            scales), for tracing the converter only; `None` if it reads the
+            layout as written.
+    """
+
+    model_type: str
+    layout: Callable[[Any], Layout]
+    config: Callable[[Any], dict[str, Any]]
+    traced_as: Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...], str]] | None] | None = None
+
+
+def _attention(
+    p: str, hidden: int, heads: int, kv_heads: int, head_dim: int, *, bias: bool = False,
+    out_bias: bool = False, qk_norm: bool = False, sinks: bool = False,
+) -> Layout:
+    q, kv = heads * head_dim, kv_heads * head_dim
+    t: Layout = [(f"{p}self_attn.q_proj.weight", (q, hidden))]
+    t += [(f"{p}self_attn.q_proj.bias", (q,))] if bias else []
+    t += [(f"{p}self_attn.k_proj.weight", (kv, hidden))]
+    t += [(f"{p}self_attn.k_proj.bias", (kv,))] if bias else []
+    t += [(f"{p}self_attn.v_proj.weight", (kv, hidden))]
+    t += [(f"{p}self_attn.v_proj.bias", (kv,))] if bias else []
+    t += [(f"{p}self_attn.o_proj.weight", (hidden, q))]
+    t += [(f"{p}self_attn.o_proj.bias", (hidden,))] if out_bias else []
+    t += [(f"{p}self_attn.q_norm.weight", (head_dim,)), (f"{p}self_attn.k_norm.weight", (head_dim,))] if qk_norm else []
+    t += [(f"{p}self_attn.sinks", (heads,))] if sinks else []
+    return t
+
+
+def _mlp(p: str, hidden: int, intermediate: int) -> Layout:
+    return [
+        (f"{p}gate_proj.weight", (intermediate, hidden)),
+        (f"{p}up_proj.weight", (intermediate, hidden)),
+        (f"{p}down_proj.weight", (hidden, intermediate)),
+    ]
+
+
+def _norms(p: str, hidden: int) -> Layout:
+    return [(f"{p}input_layernorm.weight", (hidden,)), (f"{p}post_attention_layernorm.weight", (hidden,))]
+
+
+def _model(backbone: Any, layers: Callable[[int, str], Layout], tied: bool) -> Layout:
+    c = backbone.get_config()
+    hidden = c["hidden_dim"]
+    t: Layout = [("model.embed_tokens.weight", (c["vocabulary_size"], hidden))]
+    for i in range(c["num_layers"]):
+        t += layers(i, f"model.layers.{i}.")
+    t += [("model.norm.weight", (hidden,))]
+    t += [] if tied else [("lm_head.weight", (c["vocabulary_size"], hidden))]
+    return t
+
+
+def _rope(theta: float, factor: float | None) -> dict[str, Any]:
+    scaling = None if factor in (None, 1.0) else {"rope_type": "linear", "factor": factor}
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def _dtype(backbone: Any) -> str:
+    return backbone.dtype_policy.variable_dtype
+
+
+# --- Qwen 3 ------------------------------------------------------------------
+
+
+def _qwen3_layout(backbone: Any) -> Layout:
+    c = backbone.get_config()
+    h = c["hidden_dim"]
+
+    def layer(i: int, p: str) -> Layout:
+        attn = _attention(p, h, c["num_query_heads"], c["num_key_value_heads"], c["head_dim"], qk_norm=True)
+        return attn + _mlp(p + "mlp.", h, c["intermediate_dim"]) + _norms(p, h)
+
+    return _model(backbone, layer, c["tie_word_embeddings"])
+
+
+def _qwen3_config(backbone: Any) -> dict[str, Any]:
+    c = backbone.get_config()
+    window = c.get("sliding_window_size")
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": c["vocabulary_size"],
+        "hidden_size": c["hidden_dim"],
+        "intermediate_size": c["intermediate_dim"],
+        "num_hidden_layers": c["num_layers"],
+        "num_attention_heads": c["num_query_heads"],
+        "num_key_value_heads": c["num_key_value_heads"],
+        "head_dim": c["head_dim"],
+        "hidden_act": "silu",
+        "rms_norm_eps": c["layer_norm_epsilon"],
+        **_rope(c["rope_max_wavelength"], c.get("rope_scaling_factor")),
+        "attention_bias": False,
+        "attention_dropout": c.get("dropout", 0.0),
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "tie_word_embeddings": c["tie_word_embeddings"],
+        "torch_dtype": _dtype(backbone),
+    }
+
+
+# --- Qwen3-MoE ---------------------------------------------------------------
+
+
+def _is_moe_layer(c: dict[str, Any], i: int) -> bool:
+    return (
+        i not in (c.get("mlp_only_layers") or [])
+        and c["num_experts"] > 0
+        and (i + 1) % c["decoder_sparse_step"] == 0
+    )
+
+
+def _qwen3_moe_layout(backbone: Any) -> Layout:
+    c = backbone.get_config()
+    h, experts, moe = c["hidden_dim"], c["num_experts"], c["moe_intermediate_dim"]
+
+    def layer(i: int, p: str) -> Layout:
+        t = _attention(p, h, c["num_query_heads"], c["num_key_value_heads"], c["head_dim"], qk_norm=True)
+        if _is_moe_layer(c, i):
+            t += [(f"{p}mlp.gate.weight", (experts, h))]
+            for e in range(experts):
+                t += _mlp(f"{p}mlp.experts.{e}.", h, moe)
+        else:
+            t += _mlp(p + "mlp.", h, c["intermediate_dim"])
+        return t + _norms(p, h)
+
+    return _model(backbone, layer, c["tie_word_embeddings"])
+
+
+def _qwen3_moe_config(backbone: Any) -> dict[str, Any]:
+    c = backbone.get_config()
+    window = c.get("sliding_window_size")
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": c["vocabulary_size"],
+        "hidden_size": c["hidden_dim"],
+        "intermediate_size": c["intermediate_dim"],
+        "moe_intermediate_size": c["moe_intermediate_dim"],
+        "num_hidden_layers": c["num_layers"],
+        "num_attention_heads": c["num_query_heads"],
+        "num_key_value_heads": c["num_key_value_heads"],
+        "head_dim": c["head_dim"],
+        "num_experts": c["num_experts"],
+        "num_experts_per_tok": c["top_k"],
+        "norm_topk_prob": c["norm_top_k_prob"],
+        "decoder_sparse_step": c["decoder_sparse_step"],
+        "mlp_only_layers": list(c.get("mlp_only_layers") or []),
+        "router_aux_loss_coef": c["router_aux_loss_coefficient"],
+        "output_router_logits": False,
+        "hidden_act": "silu",
+        "rms_norm_eps": c["layer_norm_epsilon"],
+        **_rope(c["rope_max_wavelength"], c.get("rope_scaling_factor")),
+        "attention_bias": False,
+        "attention_dropout": c.get("dropout", 0.0),
+        "use_sliding_window": False,
+        "sliding_window": window,
+        "tie_word_embeddings": c["tie_word_embeddings"],
+        "torch_dtype": _dtype(backbone),
+    }
+
+
+# --- Mixtral -----------------------------------------------------------------
+
+
+def _mixtral_layout(backbone: Any) -> Layout:
+    c = backbone.get_config()
+    h, experts, inter = c["hidden_dim"], c["num_experts"], c["intermediate_dim"]
+    head_dim = h // c["num_query_heads"]
+
+    def layer(i: int, p: str) -> Layout:
+        t = _attention(p, h, c["num_query_heads"], c["num_key_value_heads"], head_dim)
+        t += [(f"{p}block_sparse_moe.gate.weight", (experts, h))]
+        for e in range(experts):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            t += [(f"{q}w1.weight", (inter, h)), (f"{q}w2.weight", (h, inter)), (f"{q}w3.weight", (inter, h))]
+        return t + _norms(p, h)
+
+    return _model(backbone, layer, tied=False)
+
+
+def _mixtral_config(backbone: Any) -> dict[str, Any]:
+    c = backbone.get_config()
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": c["vocabulary_size"],
+        "hidden_size": c["hidden_dim"],
+        "intermediate_size": c["intermediate_dim"],
+        "num_hidden_layers": c["num_layers"],
+        "num_attention_heads": c["num_query_heads"],
+        "num_key_value_heads": c["num_key_value_heads"],
+        "head_dim": c["hidden_dim"] // c["num_query_heads"],
+        "num_local_experts": c["num_experts"],
+        "num_experts_per_tok": c["top_k"],
+        "router_aux_loss_coef": c["router_aux_loss_coef"],
+        "router_jitter_noise": c.get("router_jitter_noise", 0.0),
+        "output_router_logits": False,
+        "hidden_act": "silu",
+        "rms_norm_eps": c["layer_norm_epsilon"],
+        **_rope(c["rope_max_wavelength"], c.get("rope_scaling_factor")),
+        "sliding_window": c["sliding_window"],
+        "attention_dropout": c.get("dropout", 0.0),
+        "tie_word_embeddings": False,
+        "torch_dtype": _dtype(backbone),
+    }
+
+
+# --- gpt-oss -----------------------------------------------------------------
+
+_MXFP4_GROUP = 32
+
+
+def _gpt_oss_head_dim(c: dict[str, Any]) -> int:
+    return c.get("head_dim") or c["hidden_dim"] // c["num_query_heads"]
+
+
+def _gpt_oss_layout(backbone: Any) -> Layout:
+    c = backbone.get_config()
+    h, experts, inter = c["hidden_dim"], c["num_experts"], c["intermediate_dim"]
+
+    def layer(i: int, p: str) -> Layout:
+        t = _attention(
+            p, h, c["num_query_heads"], c["num_key_value_heads"], _gpt_oss_head_dim(c),
+            bias=True, out_bias=True, sinks=True,
+        )
+        t += [(f"{p}mlp.router.weight", (experts, h)), (f"{p}mlp.router.bias", (experts,))]
+        t += [
+            (f"{p}mlp.experts.gate_up_proj", (experts, h, 2 * inter)),
+            (f"{p}mlp.experts.gate_up_proj_bias", (experts, 2 * inter)),
+            (f"{p}mlp.experts.down_proj", (experts, inter, h)),
+            (f"{p}mlp.experts.down_proj_bias", (experts, h)),
+        ]
+        return t + _norms(p, h)
+
+    return _model(backbone, layer, tied=False)
+
+
+def _gpt_oss_traced_as(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], str]] | None:
+    """KerasHub reads gpt-oss experts only as MXFP4 (`*_blocks`, `*_scales`
+    of the transposed (experts, out, in) matrix); the unquantized layout
+    Transformers reads (`gate_up_proj` (experts, hidden, 2 * ffn)) is
+    KerasHub's variable as it is."""
+    if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return None
+    experts, inputs, outputs = shape
+    groups = -(-inputs // _MXFP4_GROUP)
+    return [
+        (f"{name}_blocks", (experts, outputs, groups, _MXFP4_GROUP // 2), "uint8"),
+        (f"{name}_scales", (experts, outputs, groups), "uint8"),
+    ]
+
+
+def _gpt_oss_config(backbone: Any) -> dict[str, Any]:
+    c = backbone.get_config()
+    factor = c.get("rope_scaling_factor")
+    config = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": c["vocabulary_size"],
+        "hidden_size": c["hidden_dim"],
+        "intermediate_size": c["intermediate_dim"],
+        "num_hidden_layers": c["num_layers"],
+        "num_attention_heads": c["num_query_heads"],
+        "num_key_value_heads": c["num_key_value_heads"],
+        "head_dim": _gpt_oss_head_dim(c),
+        "num_local_experts": c["num_experts"],
+        "num_experts_per_tok": c["top_k"],
+        "experts_per_token": c["top_k"],
+        "output_router_logits": False,
+        "hidden_act": "silu",
+        "rms_norm_eps": c["layer_norm_epsilon"],
+        "rope_theta": c["rope_max_wavelength"],
+        "rope_scaling": None if factor in (None, 1.0) else {"rope_type": "yarn", "factor": factor},
+        "sliding_window": c["sliding_window"],
+        # KerasHub's gpt-oss slides on odd layers; Transformers' default
+        # (and the published config) on even ones: written as the model is.
+        "layer_types": [
+            "sliding_attention" if i % 2 == 1 else "full_attention" for i in range(c["num_layers"])
+        ],
+        "attention_bias": True,
+        "attention_dropout": c.get("dropout", 0.0),
+        "tie_word_embeddings": False,
+        "torch_dtype": _dtype(backbone),
+    }
+    return config
+
+
+# --- SmolLM3 -----------------------------------------------------------------
+
+
+def _smollm3_layout(backbone: Any) -> Layout:
+    c = backbone.get_config()
+    h = c["hidden_dim"]
+    heads = c["num_attention_heads"]
+
+    def layer(i: int, p: str) -> Layout:
+        attn = _attention(p, h, heads, c["num_key_value_heads"], h // heads, bias=c["attention_bias"])
+        if c["attention_bias"]:
+            attn.append((f"{p}self_attn.o_proj.bias", (h,)))
+        return attn + _mlp(p + "mlp.", h, c["intermediate_dim"]) + _norms(p, h)
+
+    return _model(backbone, layer, tied=True)
+
+
+def _smollm3_config(backbone: Any) -> dict[str, Any]:
+    c = backbone.get_config()
+    return {
+        "architectures": ["SmolLM3ForCausalLM"],
+        "model_type": "smollm3",
+        "vocab_size": c["vocabulary_size"],
+        "hidden_size": c["hidden_dim"],
+        "intermediate_size": c["intermediate_dim"],
+        "num_hidden_layers": c["num_layers"],
+        "num_attention_heads": c["num_attention_heads"],
+        "num_key_value_heads": c["num_key_value_heads"],
+        "hidden_act": "silu",
+        "rms_norm_eps": c["layer_norm_epsilon"],
+        "max_position_embeddings": c["max_position_embeddings"],
+        "rope_theta": c["rope_theta"],
+        "rope_scaling": None,
+        "no_rope_layers": [int(bool(x)) for x in c["rope_layer_enabled_list"]],
+        "layer_types": list(c["layer_types"]),
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "attention_bias": c["attention_bias"],
+        "attention_dropout": c["attention_dropout"],
+        "mlp_bias": c["mlp_bias"],
+        "tie_word_embeddings": True,
+        "torch_dtype": _dtype(backbone),
+    }
+
+
+# --- Gemma 2 (a GemmaBackbone stock exports as Gemma 1) ------------------------
+
+
+def gemma2_like(backbone: Any) -> bool:
+    """Whether a `GemmaBackbone` is a Gemma 2 (post norms, soft caps)."""
+    c = backbone.get_config()
+    return bool(c.get("use_post_ffw_norm") or c.get("use_post_attention_norm"))
+
+
+def _gemma_layout(backbone: Any, gemma2: bool) -> Layout:
+    c = backbone.get_config()
+    h = c["hidden_dim"]
+
+    def layer(i: int, p: str) -> Layout:
+        t = _attention(p, h, c["num_query_heads"], c["num_key_value_heads"], c["head_dim"])
+        t += _mlp(p + "mlp.", h, c["intermediate_dim"] // 2) + _norms(p, h)
+        if gemma2:
+            t += [(f"{p}pre_feedforward_layernorm.weight", (h,)), (f"{p}post_feedforward_layernorm.weight", (h,))]
+        return t
+
+    return _model(backbone, layer, tied=True)
+
+
+def _gemma2_config(backbone: Any) -> dict[str, Any]:
+    c = backbone.get_config()
+    return {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "vocab_size": c["vocabulary_size"],
+        "hidden_size": c["hidden_dim"],
+        "intermediate_size": c["intermediate_dim"] // 2,
+        "num_hidden_layers": c["num_layers"],
+        "num_attention_heads": c["num_query_heads"],
+        "num_key_value_heads": c["num_key_value_heads"],
+        "head_dim": c["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": c["layer_norm_epsilon"],
+        "rope_theta": 10000.0,
+        "query_pre_attn_scalar": (
+            c["head_dim"] if c["query_head_dim_normalize"] else c["hidden_dim"] // c["num_query_heads"]
+        ),
+        "attn_logit_softcapping": c["attention_logit_soft_cap"],
+        "final_logit_softcapping": c["final_logit_soft_cap"],
+        "sliding_window": c["sliding_window_size"],
+        "layer_types": [
+            "sliding_attention" if c["use_sliding_window_attention"] and i % 2 == 0 else "full_attention"
+            for i in range(c["num_layers"])
+        ],
+        "attention_dropout": c.get("dropout", 0.0),
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "torch_dtype": _dtype(backbone),
+    }
+
+
+FAMILIES: dict[str, Family] = {
+    "Qwen3Backbone": Family("qwen3", _qwen3_layout, _qwen3_config),
+    "Qwen3MoeBackbone": Family("qwen3_moe", _qwen3_moe_layout, _qwen3_moe_config),
+    "MixtralBackbone": Family("mixtral", _mixtral_layout, _mixtral_config),
+    "GptOssBackbone": Family("gpt_oss", _gpt_oss_layout, _gpt_oss_config, _gpt_oss_traced_as),
+    "SmolLM3Backbone": Family("smollm3", _smollm3_layout, _smollm3_config),
+}
+# A `GemmaBackbone` with post norms (`gemma2_like`).
+GEMMA2 = Family("gemma2", lambda b: _gemma_layout(b, True), _gemma2_config)
+
+
+def corrected_layout(backbone: Any, layout: Layout) -> Layout:
+    """Stock's layout with the shapes Transformers reads where stock's are
+    wrong (Gemma's q/k/v, see the module docstring)."""
+    if type(backbone).__name__ != "GemmaBackbone":
+        return layout
+    right = dict(_gemma_layout(backbone, False))
+    return [(name, right.get(name, shape)) for name, shape in layout]
+
+
+def corrected_config(backbone: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """Stock's config.json with the keys KerasHub's own converter needs."""
+    if type(backbone).__name__ == "QwenBackbone":
+        c = backbone.get_config()
+        config = dict(config)
+        config.setdefault("use_sliding_window", bool(c.get("use_sliding_window_attention")))
+        config.setdefault("sliding_window", c.get("sliding_window_size"))
+    return config
