@@ -48,6 +48,7 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError, UnconvertedWeightsWarning
+from keras_hub_dist.plan.presets import read_json
 from keras_hub_dist.formats import keras_h5
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
@@ -61,6 +62,7 @@ from keras_hub_dist.formats.base import (
 from keras_hub_dist.formats.lazy_numpy import LazyArray, Opaque, leaves_of
 from keras_hub_dist.formats.mxfp4 import Mxfp4Source
 from keras_hub_dist.formats.safetensors_files import (
+    INDEX_FILE,
     SINGLE_FILE,
     SafetensorsCheckpoint,
     checkpoint_files,
@@ -69,6 +71,7 @@ from keras_hub_dist.formats.transforms import Constant, FullTensorFallback, view
 
 __all__ = [
     "FORMAT",
+    "checksum_metadata",
     "TESTED_MODEL_TYPES",
     "backbone_config",
     "index_checkpoint",
@@ -86,6 +89,17 @@ TESTED_MODEL_TYPES = (
     "qwen3_5", "qwen3_5_moe", "smollm3",
 )
 
+
+
+def checksum_metadata(ref: str) -> dict[str, Any]:
+    """The `metadata` of the checkpoint's `model.safetensors.index.json`
+    (where `save_sharded_preset(..., format="huggingface")` records the
+    files' checksums), or `{}` without an index."""
+    if not _compat.preset_has_file(ref, INDEX_FILE):
+        return {}
+    index = read_json(_compat.preset_file(ref, INDEX_FILE))
+    metadata = index.get("metadata") if isinstance(index, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
 
 
 def recognizes(config: Mapping[str, Any]) -> bool:

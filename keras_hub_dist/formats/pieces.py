@@ -51,6 +51,7 @@ __all__ = [
     "Piece",
     "block_writes",
     "canonical",
+    "identity",
     "invert",
     "pieces_of",
     "value_boxes",
@@ -124,6 +125,12 @@ def _merge(atoms: Sequence[Atom]) -> tuple[Atom, ...]:
                 continue
         merged.append(atom)
     return tuple(reversed(merged))
+
+
+def identity(leaf: Any, shape: Sequence[int]) -> Piece:
+    """The piece of a tensor that is its leaf as it is."""
+    size = math.prod(shape)
+    return Piece(leaf, 0, 0, (Atom(size, 1, 1),) if size > 1 else ())
 
 
 def invert(piece: Piece, leaf: Any) -> Piece:

@@ -35,6 +35,7 @@ transformers.AutoModelForCausalLM.from_pretrained("./gemma_hf")
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import secrets
 import shutil
@@ -70,7 +71,7 @@ from keras_hub_dist.save.saver import (
 )
 from keras_hub_dist.save.write_plan import block_owners
 
-__all__ = ["BlockPlan", "checksummed_index", "plan_blocks", "save_huggingface", "shard_size"]
+__all__ = ["BlockPlan", "checksummed_index", "plan_blocks", "save_huggingface", "shard_size", "twin_config"]
 
 
 @dataclass(frozen=True)
@@ -221,9 +222,20 @@ def _write(backbone: Any, plans: dict[str, list[BlockPlan]], progress: bool | No
     return error[0] if error else None
 
 
+def twin_config(backbone: Any) -> dict[str, Any]:
+    """`backbone.get_config()`, plus constructor arguments it forgets but
+    keeps as attributes (KerasHub 0.32's `LlamaBackbone` leaves out
+    `tie_word_embeddings`: its copy would grow an untied head)."""
+    config = backbone.get_config()
+    for name in inspect.signature(type(backbone).__init__).parameters:
+        if name not in config and name not in ("self", "kwargs") and hasattr(backbone, name):
+            config[name] = getattr(backbone, name)
+    return config
+
+
 def _mapping_of(backbone: Any, task: Any, dtype: Any) -> HfMapping:
     """The checkpoint of `backbone`, mapped on a copy built without values."""
-    twin, created = build_without_values(type(backbone), backbone.get_config())
+    twin, created = build_without_values(type(backbone), twin_config(backbone))
     try:
         tokenizer = getattr(getattr(task, "preprocessor", None), "tokenizer", None)
         return hf_mapping(twin, tokenizer=tokenizer, dtype=dtype)
@@ -261,6 +273,16 @@ def save_huggingface(
     mapping = found[0]
     layout = plan_files(mapping.tensors, shard_size(max_shard_size))
     weight_set = _weight_set(backbone, (), "", None)
+    live = {d.name: d.shape for d in weight_set.layout.datasets}
+    differ = sorted(d for d, shape in mapping.shapes.items() if live.get(d) != shape)
+    _processes.check_all(
+        differ and (
+            f"Expected the model to save what a copy built from its config saves. Received: "
+            f"{len(differ)} dataset(s) differ, e.g. {differ[:3]} "
+            f"(model: {[live.get(d) for d in differ[:3]]}, copy: {[mapping.shapes[d] for d in differ[:3]]})."
+        ) or None,
+        SaveError, "Cannot export the model",
+    )
 
     parent, base = os.path.split(target)
     token = _processes.broadcast_string(secrets.token_hex(6))

@@ -24,6 +24,13 @@ Corrections of stock, each tested against Transformers:
   `gemma2` checkpoint; stock writes it as `gemma`, without the post norms.
 - Qwen 2: `get_qwen_config` has no `use_sliding_window` / `sliding_window`,
   which KerasHub's own converter requires: they are added.
+- Gemma 4: stock's config gives the global layers' RoPE no `rope_type`,
+  which Transformers reads as "default"; KerasHub computes it as
+  "proportional" (logits differ by ~1e-2 otherwise). Its text-only config
+  names `Gemma4TextModel` (no LM head) as the architecture.
+- `architectures`: the causal-LM class where stock names none or one
+  without the LM head (Gemma, Gemma 3 text, Gemma 4 text, Qwen 2, GPT-2);
+  vLLM and SGLang pick the model class by it.
 
 Example:
 
@@ -308,7 +315,6 @@ def _gpt_oss_traced_as(name: str, shape: tuple[int, ...]) -> list[tuple[str, tup
 
 def _gpt_oss_config(backbone: Any) -> dict[str, Any]:
     c = backbone.get_config()
-    factor = c.get("rope_scaling_factor")
     config = {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
@@ -326,7 +332,11 @@ def _gpt_oss_config(backbone: Any) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": c["layer_norm_epsilon"],
         "rope_theta": c["rope_max_wavelength"],
-        "rope_scaling": None if factor in (None, 1.0) else {"rope_type": "yarn", "factor": factor},
+        # KerasHub's gpt-oss always applies YaRN with these parameters.
+        "rope_scaling": {
+            "rope_type": "yarn", "factor": c.get("rope_scaling_factor") or 1.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096,
+        },
         "sliding_window": c["sliding_window"],
         # KerasHub's gpt-oss slides on odd layers; Transformers' default
         # (and the published config) on even ones: written as the model is.
@@ -382,6 +392,11 @@ def _smollm3_config(backbone: Any) -> dict[str, Any]:
         "attention_dropout": c["attention_dropout"],
         "mlp_bias": c["mlp_bias"],
         "tie_word_embeddings": True,
+        # Transformers' defaults are SmolLM3's real ids; the tokenizer's, if
+        # any, replace them.
+        "pad_token_id": None,
+        "bos_token_id": None,
+        "eos_token_id": None,
         "torch_dtype": _dtype(backbone),
     }
 
@@ -461,11 +476,36 @@ def corrected_layout(backbone: Any, layout: Layout) -> Layout:
     return [(name, right.get(name, shape)) for name, shape in layout]
 
 
+# Transformers' causal-LM class per text `model_type`, where stock's config
+# names none or a class without the LM head.
+_CAUSAL_LM = {
+    "gemma": "GemmaForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+
+
 def corrected_config(backbone: Any, config: dict[str, Any]) -> dict[str, Any]:
-    """Stock's config.json with the keys KerasHub's own converter needs."""
-    if type(backbone).__name__ == "QwenBackbone":
+    """Stock's config.json with what Transformers 5 and KerasHub's own
+    converter need (see the module docstring)."""
+    config = dict(config)
+    name = type(backbone).__name__
+    if name == "QwenBackbone":
         c = backbone.get_config()
-        config = dict(config)
         config.setdefault("use_sliding_window", bool(c.get("use_sliding_window_attention")))
         config.setdefault("sliding_window", c.get("sliding_window_size"))
+    if name == "Gemma4Backbone":
+        # KerasHub computes Gemma 4's global RoPE as Transformers'
+        # "proportional" type; stock names no type, which means "default".
+        text = config.get("text_config", config)
+        rope = text.get("rope_parameters") or {}
+        if "full_attention" in rope and "rope_type" not in rope["full_attention"]:
+            rope["full_attention"] = {**rope["full_attention"], "rope_type": "proportional"}
+        if "sliding_attention" in rope:
+            rope["sliding_attention"] = {"rope_type": "default", **rope["sliding_attention"]}
+    causal = _CAUSAL_LM.get(config.get("model_type"))
+    if causal and config.get("architectures") != [causal]:
+        config = {"architectures": [causal], **{k: v for k, v in config.items() if k != "architectures"}}
     return config

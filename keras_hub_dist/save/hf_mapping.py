@@ -48,7 +48,7 @@ from keras_hub_dist.formats import huggingface, keras_h5
 from keras_hub_dist.formats.base import StoredTensor, StoredTensorSource, is_float, listing, numpy_dtype
 from keras_hub_dist.formats.lazy_numpy import LazyArray
 from keras_hub_dist.formats.mxfp4 import Mxfp4Source
-from keras_hub_dist.formats.pieces import Atom, NotAffine, Piece, canonical, invert, pieces_of
+from keras_hub_dist.formats.pieces import NotAffine, Piece, canonical, identity, invert, pieces_of
 from keras_hub_dist.formats.safetensors_files import SafetensorsCheckpoint, SafetensorsHeader
 from keras_hub_dist.formats.safetensors_writer import TensorSpec, plan_files
 from keras_hub_dist.save.hf_families import FAMILIES, GEMMA2, Family, corrected_config, corrected_layout, gemma2_like
@@ -194,11 +194,6 @@ def _trace_files(
     return SafetensorsCheckpoint(headers, layout.weight_map), where
 
 
-def _identity(name: str, shape: tuple[int, ...]) -> Piece:
-    size = int(np.prod(shape))
-    return Piece((name, 0), 0, 0, (Atom(size, 1, 1),) if size > 1 else ())
-
-
 def _inverted(
     backbone: Any,
     datasets: Mapping[str, Any],
@@ -222,7 +217,7 @@ def _inverted(
             continue
         if isinstance(source, Mxfp4Source):
             tensor = where[(source.blocks.file, source.blocks.offset)][: -len("_blocks")]
-            pieces[name] = [(tensor, _identity(name, tuple(variable.shape)))]
+            pieces[name] = [(tensor, identity((name, 0), tuple(variable.shape)))]
             continue
         try:
             pieces[name] = [(where[p.leaf], invert(p, (name, 0))) for p in pieces_of(source)]

@@ -1,0 +1,387 @@
+"""Convert a checkpoint between KerasHub's and Hugging Face's formats, file
+to file, without building the model's values: `convert_checkpoint` (and
+`keras-hub-dist convert SRC DST --to keras|huggingface`).
+
+Stock conversion (`from_preset` then `save_to_preset` / `export_to_transformers`)
+holds the whole model in memory, twice. Here the model is only built without
+values, to plan: the source is indexed as for a load (`formats.keras_h5` /
+`formats.huggingface`), the target laid out as for a save
+(`formats.keras_h5_writer` / `save.hf_mapping` + `formats.safetensors_writer`),
+and the two are joined by affine pieces (`formats.pieces`): each tile of a
+source tensor is read (`preadv` of its byte runs), goes through the
+transform (transposes and casts through one 16 MiB buffer,
+`save.piece_write`) and is written at its offsets in the target file. A
+tile is at most `TILE_BYTES`; one tile is read ahead while the last is
+written. Host memory is thus bounded by about 3 tiles plus the buffer
+(~210 MiB), whatever the model's size (`BENCHMARKS.md`). A value that is not
+a pure rearrangement of stored tensors (gpt-oss's MXFP4 experts) is
+converted tile by tile in the variable's own layout instead.
+
+Same crash safety as `save_sharded_preset`: written into
+`.<name>.partial-<token>` beside the target, checksummed, renamed into place
+when complete; a failure (or a kill) leaves the target untouched.
+
+Example:
+
+```python
+convert_checkpoint("./Qwen3-8B", "./qwen3_8b_keras", to="keras")
+convert_checkpoint("./gemma_7b_en", "./gemma_7b_hf", to="huggingface", dtype="bfloat16")
+```
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from keras_hub_dist import _compat
+from keras_hub_dist._progress import byte_progress
+from keras_hub_dist.errors import SaveError
+from keras_hub_dist.formats import host_io, keras_h5
+from keras_hub_dist.formats.base import Index, StoredTensor, TensorSource, is_float, numpy_dtype
+from keras_hub_dist.formats.detect import checkpoint_format
+from keras_hub_dist.formats.pieces import NotAffine, Piece, block_writes, identity, pieces_of
+from keras_hub_dist.formats.safetensors_files import INDEX_FILE, checkpoint_files
+from keras_hub_dist.formats.safetensors_writer import dtype_name, plan_files
+from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
+from keras_hub_dist.load.tasks import task_class
+from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.save import hf_export, saver
+from keras_hub_dist.save.hf_mapping import hf_mapping
+from keras_hub_dist.save.piece_write import PieceWriter
+
+__all__ = ["TILE_BYTES", "ConvertStats", "convert_checkpoint", "tiles"]
+
+# The most bytes of a source tensor read at once.
+TILE_BYTES = 64 << 20
+TARGETS = ("keras", "huggingface")
+
+
+@dataclass
+class ConvertStats:
+    """What a conversion did."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    bytes_copied: int = 0
+    tiles: int = 0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One source tensor and where its elements go: `(file path, piece,
+    byte offset of the target tensor, target dtype)`."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    read: Callable[[Index], np.ndarray]
+    targets: tuple[tuple[str, Piece, int, np.dtype], ...]
+    keeps_order: bool
+
+
+def tiles(shape: Sequence[int], itemsize: int, budget: int = TILE_BYTES, *, rows_only: bool = False) -> Iterator[Index]:
+    """Boxes covering `shape`, each at most `budget` bytes (or one row):
+    `rows_only` splits the leading dimensions only (runs stay whole);
+    otherwise the largest dimension is halved until a box fits (square-ish
+    tiles keep the runs long on both sides of a transpose)."""
+    shape = [int(d) for d in shape]
+    counts = [1] * len(shape)
+
+    def size() -> int:
+        return math.prod(-(-d // c) for d, c in zip(shape, counts)) * itemsize
+
+    while shape and size() > budget:
+        candidates = [i for i in range(len(shape)) if counts[i] < shape[i]]
+        if rows_only:
+            candidates = [next(i for i in range(len(shape)) if counts[i] < shape[i])]
+        if not candidates:
+            break
+        i = max(candidates, key=lambda j: -(-shape[j] // counts[j])) if not rows_only else candidates[0]
+        counts[i] = min(shape[i], counts[i] * 2)
+    steps = [-(-d // c) for d, c in zip(shape, counts)]
+    for corner in np.ndindex(*counts):
+        box = tuple((k * s, min(d, (k + 1) * s)) for k, s, d in zip(corner, steps, shape))
+        if all(a < b for a, b in box):
+            yield box
+
+
+def _keeps_order(pieces: Sequence[Piece]) -> bool:
+    """Whether every piece writes the leaf's elements in their own order."""
+    for piece in pieces:
+        ordered = sorted(piece.atoms, key=lambda a: -a.out_step)
+        if [a.leaf_step for a in ordered] != sorted((a.leaf_step for a in ordered), reverse=True):
+            return False
+    return True
+
+
+def _run(jobs: Sequence[_Job], writer: PieceWriter, stats: ConvertStats, bar: Any) -> None:
+    """Reads every job's tiles (one ahead) and writes them through their pieces."""
+
+    def work() -> Iterator[tuple[_Job, Index]]:
+        for job in jobs:
+            for box in tiles(job.shape, job.dtype.itemsize, rows_only=job.keeps_order):
+                yield job, box
+
+    with ThreadPoolExecutor(1, "keras_hub_dist-convert") as reader:
+        items = work()
+        pending = None
+        for job, box in items:
+            current = (job, box, reader.submit(job.read, box))
+            if pending is not None:
+                _write_tile(*pending, writer, stats, bar)
+            pending = current
+        if pending is not None:
+            _write_tile(*pending, writer, stats, bar)
+
+
+def _write_tile(job: _Job, box: Index, future: Any, writer: PieceWriter, stats: ConvertStats, bar: Any) -> None:
+    values = future.result()
+    writes = []
+    for path, piece, offset, dtype in job.targets:
+        writes += [(path, w, dtype) for w in block_writes(piece, job.shape, box, offset, dtype.itemsize)]
+    before = writer.stats.bytes_written
+    writer.write(values, writes)
+    stats.bytes_read += values.nbytes
+    stats.tiles += 1
+    bar.update(writer.stats.bytes_written - before)
+
+
+def _check_dtype(dtype: Any, to: str) -> np.dtype | None:
+    if dtype is None:
+        return None
+    try:
+        resolved = np.dtype(numpy_dtype(dtype))
+    except (TypeError, ValueError) as e:
+        raise SaveError(f"Expected a floating-point dtype such as 'bfloat16'. Received: dtype={dtype!r} ({e}).") from e
+    if not is_float(resolved) or (to == "huggingface" and dtype_name(resolved) is None):
+        raise SaveError(
+            f"Expected a floating-point dtype the {to} format can hold (float32, bfloat16, "
+            f"float16{', float64, float8_e4m3fn, float8_e5m2' if to == 'huggingface' else ''}). "
+            f"Received: dtype={dtype!r}."
+        )
+    return resolved
+
+
+def _source_dtype(config: dict[str, Any], checkpoint: Any, backbone_config: dict[str, Any]) -> Any:
+    """The model dtype that keeps the source's own: the preset's saved
+    policy, or the Hugging Face config's `torch_dtype` / `dtype`."""
+    if checkpoint is keras_h5:
+        return backbone_config.get("dtype")
+    for key in ("torch_dtype", "dtype"):
+        value = config.get(key) or (config.get("text_config") or {}).get(key)
+        if isinstance(value, str) and value in ("float32", "bfloat16", "float16"):
+            return value
+    return "float32"
+
+
+def _task(source: Any, backbone: Any, metadata: dict[str, Any], wanted: str | None) -> Any:
+    """The CausalLM around `backbone` with the source's preprocessor, or None."""
+    if wanted is None:
+        return None
+    try:
+        cls = task_class("causal_lm" if wanted == "auto" else wanted, type(backbone), metadata, source.label)
+        return cls.from_preset(source.ref, load_weights=False, backbone=backbone)
+    except Exception:  # noqa: BLE001 - no tokenizer to carry over
+        if wanted == "auto":
+            return None
+        raise
+
+
+def convert_checkpoint(
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    *,
+    to: str,
+    dtype: Any = None,
+    task: str | None = "auto",
+    overwrite: bool = False,
+    progress: bool | None = None,
+    max_shard_size: float | int | str | None = None,
+) -> ConvertStats:
+    """Converts a KerasHub preset to a Hugging Face checkpoint or back, file
+    to file, never holding the model's values.
+
+    The result equals `save_sharded_preset(load_sharded_preset(source,
+    dtype=...), target, format=to)` byte for byte in its weights.
+
+    Args:
+        source: A KerasHub preset or Hugging Face checkpoint (a directory,
+            or a handle KerasHub downloads: `"hf://..."`, `"kaggle://..."`).
+        target: The directory to create.
+        to: `"keras"` or `"huggingface"`.
+        dtype: Dtype of the floating-point weights (cast tile by tile);
+            default: the source's own (unlike `from_preset`, which uses
+            Keras's global policy).
+        task: `"auto"` carries over the source's tokenizer / preprocessor as
+            a causal LM if it has one; `None` converts the backbone only;
+            a task name requires it.
+        overwrite: Replace an existing non-empty `target` once complete.
+        progress: Show a progress bar; default: when stderr is a terminal.
+        max_shard_size: As `save_sharded_preset`.
+
+    Returns:
+        `ConvertStats`.
+
+    Raises:
+        PresetError: The source is missing, corrupt or of no known format.
+        SaveError: The target format is the source's, the dtype cannot be
+            held, the target exists (without `overwrite`), or the family
+            does not export to the Hugging Face format.
+    """
+    if to not in TARGETS:
+        raise SaveError(f"Expected to= one of {TARGETS}. Received: to={to!r}.")
+    wanted_dtype = _check_dtype(dtype, to)
+    resolved = resolve_source(source)
+    config = read_config(resolved)
+    checkpoint = checkpoint_format(config, resolved.label)
+    if checkpoint.FORMAT == to or (checkpoint is keras_h5 and to == "keras"):
+        raise SaveError(
+            f"The source {resolved.label!r} is already in the {to} format. Expected a "
+            f"{'Hugging Face checkpoint' if to == 'keras' else 'KerasHub preset'} to convert "
+            "to it; copy the directory instead."
+        )
+    destination = os.path.abspath(os.fspath(target))
+    error = saver._target_error(destination, overwrite)
+    if error:
+        raise SaveError(f"Cannot save to {destination!r}: {error}")
+    backbone_cls, backbone_config = checkpoint.backbone_config(config, resolved.label)
+    model_dtype = dtype if dtype is not None else _source_dtype(config, checkpoint, backbone_config)
+    backbone, created = build_without_values(backbone_cls, {**backbone_config, "dtype": model_dtype})
+    try:
+        index = checkpoint.index_checkpoint(backbone, resolved.ref, resolved.label, config)
+        task_model = _task(resolved, backbone, read_metadata(resolved), task)
+        sources = {id(e.variable): e.source for e in index.entries}
+        datasets = {
+            name: v for name, v in keras_h5.expected_datasets(backbone).items() if id(v) in sources
+        }
+        convert = _to_huggingface if to == "huggingface" else _to_keras
+        return convert(
+            backbone, task_model, sources, datasets, resolved.ref, destination,
+            wanted_dtype, progress, max_shard_size,
+        )
+    finally:
+        _compat.forget_deferred_variables(created)
+
+
+def _staging(destination: str) -> tuple[str, str]:
+    parent, base = os.path.split(destination)
+    token = secrets.token_hex(6)
+    return os.path.join(parent, f".{base}.partial-{token}"), token
+
+
+def _finish_files(paths: list[str]) -> np.ndarray:
+    return saver._local_digests(paths, 2)
+
+
+def _to_huggingface(
+    backbone: Any, task: Any, sources: dict[int, TensorSource], datasets: dict[str, Any],
+    ref: str, destination: str, dtype: np.dtype | None, progress: bool | None, max_shard_size: Any,
+) -> ConvertStats:
+    tokenizer = getattr(getattr(task, "preprocessor", None), "tokenizer", None)
+    mapping = hf_mapping(backbone, tokenizer=tokenizer, dtype=dtype)
+    layout = plan_files(mapping.tensors, hf_export.shard_size(max_shard_size))
+    specs = {t.name: t for t in layout.tensors}
+    staging, token = _staging(destination)
+    paths = [os.path.join(staging, f.name) for f in layout.files]
+    stats = ConvertStats()
+    try:
+        hf_export._prepare(staging, layout, backbone, task, mapping)
+        jobs = []
+        for name, pairs in mapping.pieces.items():
+            source = sources[id(datasets[name])]
+            targets = []
+            for tensor, piece in pairs:
+                file, offset = layout.place(tensor)
+                targets.append((os.path.join(staging, file), piece, offset, np.dtype(specs[tensor].dtype)))
+            jobs.append(_Job(
+                mapping.shapes[name], np.dtype(source.dtype), source.read, tuple(targets),
+                _keeps_order([p for _, p in pairs]),
+            ))
+        _write_all(jobs, layout.total_size, destination, progress, stats)
+        with open(os.path.join(staging, INDEX_FILE), "w", encoding="utf-8") as f:
+            f.write(hf_export.checksummed_index(layout, paths, _finish_files(paths)))
+        saver._publish(staging, destination, token)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return stats
+
+
+def _write_all(jobs: Sequence[_Job], total: int, destination: str, progress: bool | None, stats: ConvertStats) -> None:
+    files = host_io.FileDescriptors(os.O_WRONLY)
+    writer = PieceWriter(files)
+    bar = byte_progress(total, f"Converting to {os.path.basename(destination)}", progress)
+    try:
+        _run(jobs, writer, stats, bar)
+    finally:
+        files.close()
+        bar.close()
+    stats.bytes_written += writer.stats.bytes_written
+    stats.bytes_copied += writer.stats.bytes_copied
+
+
+def _leaf_tensors(ref: str) -> dict[tuple[str, int], StoredTensor]:
+    """Every stored tensor of a Hugging Face checkpoint, by `(file, offset)`."""
+    files = checkpoint_files(ref)
+    return {(t.file, t.offset): t for h in files.headers.values() for t in h.tensors.values()}
+
+
+def _to_keras(
+    backbone: Any, task: Any, sources: dict[int, TensorSource], datasets: dict[str, Any],
+    ref: str, destination: str, dtype: np.dtype | None, progress: bool | None, max_shard_size: Any,
+) -> ConvertStats:
+    names = _compat.preset_file_names()
+    limit = 10 if max_shard_size is None else max_shard_size
+    multi_file = backbone_bytes(backbone) / 2**30 > limit
+    weight_set = saver._weight_set(
+        backbone, (), names["sharded_weights" if multi_file else "weights"], limit if multi_file else None
+    )
+    if task is not None and task.has_task_weights():
+        raise SaveError("Expected a task without task weights (a causal LM). Received one with task weights.")
+    staging, token = _staging(destination)
+    stats = ConvertStats()
+    try:
+        saver._prepare(staging, backbone, task, [weight_set], names)
+        weights = os.path.join(staging, weight_set.file_name)
+        on_disk = keras_h5.read_datasets(keras_h5.weights_files(weights))
+        leaves = _leaf_tensors(ref)
+        by_leaf: dict[tuple[str, int], list[tuple[str, Piece, int, np.dtype]]] = {}
+        jobs: list[_Job] = []
+        for name, variable in datasets.items():
+            info = on_disk[name]
+            source = sources[id(variable)]
+            target_dtype = np.dtype(info.dtype)
+            try:
+                pieces = pieces_of(source)
+            except NotAffine:  # e.g. MXFP4: converted in the variable's layout
+                whole = identity(("<value>", 0), info.shape)
+                jobs.append(_Job(info.shape, np.dtype(source.dtype), source.read,
+                                 ((info.file, whole, info.offset, target_dtype),), True))
+                continue
+            for piece in pieces:
+                by_leaf.setdefault(piece.leaf, []).append((info.file, piece, info.offset, target_dtype))
+        for key, targets in by_leaf.items():
+            leaf = leaves[key]
+            jobs.append(_Job(leaf.shape, leaf.dtype, leaf.read, tuple(targets), _keeps_order([p for _, p, _, _ in targets])))
+        total = sum(d.nbytes for d in weight_set.layout.datasets)
+        _write_all(jobs, total, destination, progress, stats)
+        files = saver._weights_files(staging, [weight_set])
+        saver._finish(staging, destination, backbone, files, _finish_files(files), token, names)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return stats
+
+
+def backbone_bytes(backbone: Any) -> int:
+    """KerasHub's measure of a backbone's size (multi-file weights over 10 GB)."""
+    return _compat.variables_size_in_bytes(backbone.variables)
+
