@@ -15,7 +15,9 @@ KerasHub's: it is KerasHub's, replayed block-wise.
 Values the tracer cannot split into blocks:
 - gpt-oss MXFP4 experts (the converter's dequantization uses masked
   assignment): recognized by their `*_blocks` / `*_scales` tensors and read
-  by `formats.mxfp4`, block-wise;
+  by `formats.mxfp4`, block-wise; a checkpoint holding them unquantized
+  (Transformers' `experts.gate_up_proj` layout, which KerasHub's converter
+  cannot read) loads them as they are, KerasHub's variable layout;
 - a `port_weight` hook doing something else: the hook runs on the whole
   tensor on the host, once per block read, and `LoadReport.fallbacks` names
   the variable;
@@ -54,6 +56,7 @@ from keras_hub_dist.formats.base import (
     CheckpointIndex,
     IndexedVariable,
     StoredTensor,
+    StoredTensorSource,
     TensorSource,
     compatible_dtypes,
     listing,
@@ -179,6 +182,8 @@ class _Trace:
         self.values: dict[int, Any] = {}
         self.problems: list[str] = []
         self.read: set[str] = set()
+        # gpt-oss MXFP4 names the checkpoint holds unquantized: name -> tensor.
+        self.unquantized: dict[str, str] = {}
 
 
 def _tracing_loader(ref: str | None, files: SafetensorsCheckpoint, trace: _Trace) -> Any:
@@ -206,7 +211,10 @@ def _tracing_loader(ref: str | None, files: SafetensorsCheckpoint, trace: _Trace
                 fname = self.fname if self.fname is not None else SINGLE_FILE
             else:
                 weight_map = self.safetensor_config["weight_map"]
-                fname = weight_map.get(self.get_prefixed_key(hf_weight_key, weight_map))
+                key = self.get_prefixed_key(hf_weight_key, weight_map)
+                fname = weight_map.get(key)
+                if fname is None and key.endswith(("_blocks", "_scales")):  # unquantized gpt-oss
+                    fname = weight_map.get(key.rsplit("_", 1)[0])
                 if fname is None:
                     in_files = [f for f, h in files.headers.items() if hf_weight_key in h.tensors]
                     raise _MissingTensor(
@@ -216,6 +224,12 @@ def _tracing_loader(ref: str | None, files: SafetensorsCheckpoint, trace: _Trace
                     )
             header = files.headers.get(fname)
             name = self.get_prefixed_key(hf_weight_key, header) if header else hf_weight_key
+            if header is not None and name not in header.tensors:
+                standin = _unquantized_standin(name, header.tensors)
+                if standin is not None:
+                    trace.read.add(standin[0])
+                    trace.unquantized[name] = standin[0]
+                    return LazyArray(standin[1], frozenset({name}))
             if header is None or name not in header.tensors:
                 raise _MissingTensor(
                     f"tensor {hf_weight_key!r} is missing from {fname!r}"
@@ -293,8 +307,34 @@ def _recording_assignments(trace: _Trace) -> Iterator[None]:
                 cls.assign = original
 
 
+_MXFP4_GROUP = 32
+
+
+def _unquantized_standin(name: str, tensors: Mapping[str, StoredTensor]) -> tuple[str, TensorSource] | None:
+    """gpt-oss experts stored unquantized (`experts.gate_up_proj` (experts,
+    in, out), as Transformers and `save_sharded_preset` write them) where
+    KerasHub's converter asks for MXFP4 `*_blocks` / `*_scales`: the
+    tensor's name, and a stand-in of the MXFP4 shape the converter computes
+    with (never read: `_source_of` maps it back to the tensor)."""
+    if not name.endswith(("_blocks", "_scales")):
+        return None
+    base = name.rsplit("_", 1)[0]
+    stored = tensors.get(base)
+    if stored is None or len(stored.shape) != 3:
+        return None
+    experts, inputs, outputs = stored.shape
+    groups = -(-inputs // _MXFP4_GROUP)
+    shape = (experts, outputs, groups, _MXFP4_GROUP // 2) if name.endswith("_blocks") else (experts, outputs, groups)
+    standin = StoredTensor(stored.file, stored.offset, shape, np.dtype(np.uint8))
+    return base, StoredTensorSource(standin, f"tensor {base!r} of {stored.file!r}")
+
+
 def _source_of(
-    value: Any, variable: Any, model_type: str, tensors: Mapping[str, StoredTensor]
+    value: Any,
+    variable: Any,
+    model_type: str,
+    tensors: Mapping[str, StoredTensor],
+    unquantized: Mapping[str, str] | None = None,
 ) -> TensorSource | str:
     """The variable's `TensorSource`, or a problem."""
     if isinstance(value, LazyArray):
@@ -305,6 +345,10 @@ def _source_of(
         blocks = [k for k in value.leaves if k.endswith("_blocks")]
         scales = [k for k in value.leaves if k.endswith("_scales")]
         if model_type == "gpt_oss" and len(blocks) == len(scales) == 1 and len(value.leaves) == 2:
+            if unquantized and blocks[0] in unquantized:
+                # Transformers' unquantized layout is KerasHub's variable.
+                base = unquantized[blocks[0]]
+                return StoredTensorSource(tensors[base], f"tensor {base!r} of {tensors[base].file!r}")
             try:
                 return Mxfp4Source(tensors[blocks[0]], tensors[scales[0]])
             except ValueError as e:
@@ -361,7 +405,7 @@ def trace_sources(
     sources: dict[int, TensorSource] = {}
     model_type = str(config.get("model_type"))
     for key, value in trace.values.items():
-        source = _source_of(value, saved[key], model_type, tensors)
+        source = _source_of(value, saved[key], model_type, tensors, trace.unquantized)
         if isinstance(source, str):
             problems.append(source)
         elif tuple(source.shape) != tuple(saved[key].shape):
@@ -402,7 +446,7 @@ def index_checkpoint(
             if variable.trainable:
                 unassigned.append(variable.path)
             continue
-        source = _source_of(trace.values[id(variable)], variable, model_type, tensors)
+        source = _source_of(trace.values[id(variable)], variable, model_type, tensors, trace.unquantized)
         if isinstance(source, str):
             problems.append(source)
             continue

@@ -46,11 +46,11 @@ from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.errors import SaveError
 from keras_hub_dist.formats import host_io, keras_h5
-from keras_hub_dist.formats.base import Index, StoredTensor, TensorSource, is_float, numpy_dtype
+from keras_hub_dist.formats.base import Index, StoredTensor, TensorSource
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.pieces import NotAffine, Piece, block_writes, identity, pieces_of
 from keras_hub_dist.formats.safetensors_files import INDEX_FILE, checkpoint_files
-from keras_hub_dist.formats.safetensors_writer import dtype_name, plan_files
+from keras_hub_dist.formats.safetensors_writer import plan_files
 from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
 from keras_hub_dist.load.tasks import task_class
 from keras_hub_dist.plan.abstract import build_without_values
@@ -154,22 +154,6 @@ def _write_tile(job: _Job, box: Index, future: Any, writer: PieceWriter, stats: 
     bar.update(writer.stats.bytes_written - before)
 
 
-def _check_dtype(dtype: Any, to: str) -> np.dtype | None:
-    if dtype is None:
-        return None
-    try:
-        resolved = np.dtype(numpy_dtype(dtype))
-    except (TypeError, ValueError) as e:
-        raise SaveError(f"Expected a floating-point dtype such as 'bfloat16'. Received: dtype={dtype!r} ({e}).") from e
-    if not is_float(resolved) or (to == "huggingface" and dtype_name(resolved) is None):
-        raise SaveError(
-            f"Expected a floating-point dtype the {to} format can hold (float32, bfloat16, "
-            f"float16{', float64, float8_e4m3fn, float8_e5m2' if to == 'huggingface' else ''}). "
-            f"Received: dtype={dtype!r}."
-        )
-    return resolved
-
-
 def _source_dtype(config: dict[str, Any], checkpoint: Any, backbone_config: dict[str, Any]) -> Any:
     """The model dtype that keeps the source's own: the preset's saved
     policy, or the Hugging Face config's `torch_dtype` / `dtype`."""
@@ -238,7 +222,7 @@ def convert_checkpoint(
     """
     if to not in TARGETS:
         raise SaveError(f"Expected to= one of {TARGETS}. Received: to={to!r}.")
-    wanted_dtype = _check_dtype(dtype, to)
+    wanted_dtype = hf_export.check_dtype(dtype, to)
     resolved = resolve_source(source)
     config = read_config(resolved)
     checkpoint = checkpoint_format(config, resolved.label)

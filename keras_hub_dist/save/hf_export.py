@@ -50,10 +50,16 @@ from keras_hub_dist import _compat, _processes
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.errors import SaveError
 from keras_hub_dist.formats import checksums, host_io, keras_h5
-from keras_hub_dist.formats.base import Index
+from keras_hub_dist.formats.base import Index, is_float, numpy_dtype
 from keras_hub_dist.formats.pieces import BlockWrite, block_writes
 from keras_hub_dist.formats.safetensors_files import INDEX_FILE
-from keras_hub_dist.formats.safetensors_writer import SafetensorsLayout, create_files, index_json, plan_files
+from keras_hub_dist.formats.safetensors_writer import (
+    SafetensorsLayout,
+    create_files,
+    dtype_name,
+    index_json,
+    plan_files,
+)
 from keras_hub_dist.plan.abstract import build_without_values
 from keras_hub_dist.save.hf_files import write_hf_files
 from keras_hub_dist.save.hf_mapping import HfMapping, hf_mapping
@@ -71,7 +77,7 @@ from keras_hub_dist.save.saver import (
 )
 from keras_hub_dist.save.write_plan import block_owners
 
-__all__ = ["BlockPlan", "checksummed_index", "plan_blocks", "save_huggingface", "shard_size", "twin_config"]
+__all__ = ["BlockPlan", "check_dtype", "checksummed_index", "plan_blocks", "save_huggingface", "shard_size", "twin_config"]
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,27 @@ def checksummed_index(layout: SafetensorsLayout, paths: list[str], digests: np.n
             size, checksums.CHUNK_BYTES, tuple(digests[r].tobytes().hex() for r in rows)
         ).to_json()
     return index_json(layout, {checksums.METADATA_KEY: {"checksums": recorded}})
+
+
+def check_dtype(dtype: Any, to: str) -> np.dtype | None:
+    """`dtype` as a NumPy dtype, if the `to` format can hold it as weights.
+
+    Raises:
+        SaveError: Not a floating-point dtype, or one safetensors lacks.
+    """
+    if dtype is None:
+        return None
+    try:
+        resolved = np.dtype(numpy_dtype(dtype))
+    except (TypeError, ValueError) as e:
+        raise SaveError(f"Expected a floating-point dtype such as 'bfloat16'. Received: dtype={dtype!r} ({e}).") from e
+    if not is_float(resolved) or (to == "huggingface" and dtype_name(resolved) is None):
+        raise SaveError(
+            f"Expected a floating-point dtype the {to} format can hold (float32, bfloat16, "
+            f"float16{', float64, float8_e4m3fn, float8_e5m2' if to == 'huggingface' else ''}). "
+            f"Received: dtype={dtype!r}."
+        )
+    return resolved
 
 
 def _quantization_error(model: Any) -> str | None:
@@ -255,6 +282,7 @@ def save_huggingface(
 ) -> None:
     """`save_sharded_preset(model, preset_dir, format="huggingface")`; see
     `keras_hub_dist.save_sharded_preset`."""
+    dtype = check_dtype(dtype, "huggingface")
     target = os.path.abspath(os.fspath(preset_dir))
     targets = _processes.gather_strings(target)
     if len(set(targets)) > 1:

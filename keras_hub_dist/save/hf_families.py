@@ -26,7 +26,10 @@ Corrections of stock, each tested against Transformers:
   which KerasHub's own converter requires: they are added.
 - Gemma 4: stock's config gives the global layers' RoPE no `rope_type`,
   which Transformers reads as "default"; KerasHub computes it as
-  "proportional" (logits differ by ~1e-2 otherwise). Its text-only config
+  "proportional" (logits differ by ~1e-2 otherwise). It writes
+  `num_global_key_value_heads` = `num_key_value_heads` for a model without
+  separate global K/V heads, which KerasHub's importer reads as a model
+  whose global layers share K and V (other weights). Its text-only config
   names `Gemma4TextModel` (no LM head) as the architecture.
 - `architectures`: the causal-LM class where stock names none or one
   without the LM head (Gemma, Gemma 3 text, Gemma 4 text, Qwen 2, GPT-2);
@@ -505,6 +508,10 @@ def corrected_config(backbone: Any, config: dict[str, Any]) -> dict[str, Any]:
             rope["full_attention"] = {**rope["full_attention"], "rope_type": "proportional"}
         if "sliding_attention" in rope:
             rope["sliding_attention"] = {"rope_type": "default", **rope["sliding_attention"]}
+        # Stock writes num_key_value_heads where the model has none, which
+        # KerasHub's importer reads as K = V on the global layers.
+        if backbone.get_config().get("num_global_key_value_heads") is None:
+            text["num_global_key_value_heads"] = None
     causal = _CAUSAL_LM.get(config.get("model_type"))
     if causal and config.get("architectures") != [causal]:
         config = {"architectures": [causal], **{k: v for k, v in config.items() if k != "architectures"}}
