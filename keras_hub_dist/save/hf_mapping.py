@@ -257,7 +257,7 @@ def hf_mapping(backbone: Any, *, tokenizer: Any = None, dtype: Any = None) -> Hf
     shapes = {name: tuple(int(d) for d in v.shape) for name, v in datasets.items()}
     dtypes = {name: numpy_dtype(v.dtype) for name, v in datasets.items()}
 
-    stock_pieces: dict[str, set[tuple[str, Piece]]] = {}
+    stock: dict[str, list[tuple[str, Piece]]] = {}
     if family is None:
         leaves = {
             id(v): LazyArray(StoredTensorSource(StoredTensor(n, 0, shapes[n], dtypes[n]), n), frozenset({n}))
@@ -267,16 +267,11 @@ def hf_mapping(backbone: Any, *, tokenizer: Any = None, dtype: Any = None) -> Hf
         config = corrected_config(backbone, dict(config_fn(backbone)))
         layout = corrected_layout(backbone, [(n, tuple(s.shape)) for n, s in exported.items()])
         try:
-            by_dataset: dict[str, list[tuple[str, Piece]]] = {}
             for tensor, source in exported.items():
                 for p in pieces_of(source):
-                    by_dataset.setdefault(p.leaf[0], []).append((tensor, p))
-            stock_pieces = _by_tensor(by_dataset)
+                    stock.setdefault(p.leaf[0], []).append((tensor, p))
         except NotAffine:
-            stock_pieces = {}
-        if config.get("tie_word_embeddings") and "lm_head.weight" in exported:
-            # Stock writes the tied head again; Transformers writes it once.
-            layout = [(n, s) for n, s in layout if n != "lm_head.weight"]
+            stock = {}
         exporter = "keras_hub"
     else:
         config = family.config(backbone)
@@ -288,7 +283,19 @@ def hf_mapping(backbone: Any, *, tokenizer: Any = None, dtype: Any = None) -> Hf
     specs = [TensorSpec(n, s, guess) for n, s in layout]
     pieces, problems = _inverted(backbone, datasets, specs, config, family)
     inverse = _by_tensor(pieces)
-    stock_wrong = [t for t in (n for n, _ in layout) if t in stock_pieces and stock_pieces[t] != inverse.get(t)]
+    stock_pieces = _by_tensor(stock)
+    stock_wrong = [n for n, _ in layout if n in stock_pieces and n in inverse and stock_pieces[n] != inverse[n]]
+    # What stock writes and KerasHub's importer never reads: a tied head
+    # written again is left out (Transformers writes it once); anything else
+    # is written as stock maps it.
+    unread = {n for n, _ in layout if n not in inverse and n in stock_pieces}
+    repeated = {n for n in unread if any(stock_pieces[n] == p for p in inverse.values())}
+    layout = [(n, s) for n, s in layout if n not in repeated]
+    for dataset, pairs in stock.items():
+        extra = [(t, p) for t, p in pairs if t in unread - repeated]
+        if extra:
+            pieces.setdefault(dataset, []).extend(extra)
+    inverse = _by_tensor(pieces)
 
     sizes = {n: int(np.prod(s)) for n, s in layout}
     for tensor, pairs in inverse.items():
