@@ -87,11 +87,13 @@ class _Job:
     keeps_order: bool
 
 
-def tiles(shape: Sequence[int], itemsize: int, budget: int = TILE_BYTES, *, rows_only: bool = False) -> Iterator[Index]:
-    """Boxes covering `shape`, each at most `budget` bytes (or one row):
+def tiles(shape: Sequence[int], itemsize: int, budget: int | None = None, *, rows_only: bool = False) -> Iterator[Index]:
+    """Boxes covering `shape`, each at most `budget` bytes (default
+    `TILE_BYTES`; or one row):
     `rows_only` splits the leading dimensions only (runs stay whole);
     otherwise the largest dimension is halved until a box fits (square-ish
     tiles keep the runs long on both sides of a transpose)."""
+    budget = TILE_BYTES if budget is None else budget
     shape = [int(d) for d in shape]
     counts = [1] * len(shape)
 

@@ -323,6 +323,8 @@ def hf_mapping(backbone: Any, *, tokenizer: Any = None, dtype: Any = None) -> Hf
                 own = np.dtype(numpy_dtype(dtype))
             tensor_dtype.setdefault(tensor, own)
     tensors = tuple(TensorSpec(n, s, tensor_dtype[n]) for n, s in layout)
+    if dtype is not None and "torch_dtype" in config:
+        config["torch_dtype"] = np.dtype(numpy_dtype(dtype)).name
     return HfMapping(
         config=config,
         tensors=tensors,
