@@ -61,6 +61,7 @@ from keras_hub_dist.plan.layouts import get_layout_map  # noqa: E402
 from keras_hub_dist.load.loader import LoadReport  # noqa: E402
 from keras_hub_dist.load.loader import load_sharded_preset  # noqa: E402
 from keras_hub_dist.save.api import save_sharded_preset  # noqa: E402
+from keras_hub_dist.save.convert import convert_checkpoint  # noqa: E402
 from keras_hub_dist.validate.memory import MemorySampler  # noqa: E402
 from keras_hub_dist.plan.auto_layout import LayoutPlan  # noqa: E402
 from keras_hub_dist.plan.auto_layout import plan_layout  # noqa: E402
@@ -92,6 +93,7 @@ __all__ = [
     "SaveError",
     "UnknownPresetError",
     "abstract_backbone",
+    "convert_checkpoint",
     "gemma3_backbone",
     "gemma4_backbone",
     "gemma_backbone",

@@ -41,6 +41,7 @@ __all__ = [
     "METADATA_KEY",
     "all_chunks",
     "chunk_digests",
+    "entries",
     "file_checksum",
     "mismatches",
     "recorded_checksums",
@@ -165,6 +166,20 @@ def all_chunks(sizes: Sequence[int], chunk_bytes: Sequence[int] | None = None) -
     return [
         (f, c) for f, (size, step) in enumerate(zip(sizes, steps)) for c in range(num_chunks(size, step))
     ]
+
+
+def entries(files: Sequence[str], digests: np.ndarray) -> dict[str, dict[str, Any]]:
+    """File name -> its recorded checksum (`FileChecksum.to_json()`), from
+    `digests`: one SHA-256 row per chunk of `files`, in `all_chunks` order."""
+    sizes = [os.path.getsize(f) for f in files]
+    keys = all_chunks(sizes)
+    out = {}
+    for number, (path, size) in enumerate(zip(files, sizes)):
+        rows = [row for row, key in enumerate(keys) if key[0] == number]
+        out[os.path.basename(path)] = FileChecksum(
+            size, CHUNK_BYTES, tuple(digests[r].tobytes().hex() for r in rows)
+        ).to_json()
+    return out
 
 
 def share(keys: Sequence[Any], process_index: int, process_count: int) -> list[Any]:

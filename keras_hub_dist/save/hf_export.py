@@ -65,10 +65,12 @@ from keras_hub_dist.save.hf_files import write_hf_files
 from keras_hub_dist.save.hf_mapping import HfMapping, hf_mapping
 from keras_hub_dist.save.piece_write import PieceWriter
 from keras_hub_dist.save.saver import (
+    _agreed_target,
     _backbone_and_task,
     _device_indices,
     _guard,
     _local_digests,
+    _make_staging,
     _model_error,
     _publish,
     _saved_array,
@@ -157,15 +159,7 @@ def plan_blocks(
 def checksummed_index(layout: SafetensorsLayout, paths: list[str], digests: np.ndarray) -> str:
     """`model.safetensors.index.json` with the checksum of every file (from
     `digests`, one row per 64 MiB chunk of `paths`, in order)."""
-    sizes = [os.path.getsize(p) for p in paths]
-    keys = checksums.all_chunks(sizes)
-    recorded = {}
-    for number, (path, size) in enumerate(zip(paths, sizes)):
-        rows = [row for row, key in enumerate(keys) if key[0] == number]
-        recorded[os.path.basename(path)] = checksums.FileChecksum(
-            size, checksums.CHUNK_BYTES, tuple(digests[r].tobytes().hex() for r in rows)
-        ).to_json()
-    return index_json(layout, {checksums.METADATA_KEY: {"checksums": recorded}})
+    return index_json(layout, {checksums.METADATA_KEY: {"checksums": checksums.entries(paths, digests)}})
 
 
 def check_dtype(dtype: Any, to: str) -> np.dtype | None:
@@ -283,14 +277,7 @@ def save_huggingface(
     """`save_sharded_preset(model, preset_dir, format="huggingface")`; see
     `keras_hub_dist.save_sharded_preset`."""
     dtype = check_dtype(dtype, "huggingface")
-    target = os.path.abspath(os.fspath(preset_dir))
-    targets = _processes.gather_strings(target)
-    if len(set(targets)) > 1:
-        raise SaveError(
-            "Expected every process to pass the same preset_dir. Received: "
-            + ", ".join(f"process {i}: {t!r}" for i, t in enumerate(targets))
-            + ". Pass one path on a filesystem all processes share."
-        )
+    target = _agreed_target(preset_dir)
     backbone, task = _backbone_and_task(model)
     _processes.check_all(_model_error(model) or _quantization_error(model), SaveError, "Cannot export the model")
     _processes.check_all(_target_error(target, overwrite), SaveError, f"Cannot save to {target!r}")
@@ -362,15 +349,7 @@ def save_huggingface(
 
 
 def _prepare(staging: str, layout: SafetensorsLayout, backbone: Any, task: Any, mapping: HfMapping) -> None:
-    try:
-        os.makedirs(os.path.dirname(staging), exist_ok=True)
-        os.mkdir(staging)
-    except OSError as e:
-        raise SaveError(
-            f"Expected to create a directory beside preset_dir. Received: "
-            f"{type(e).__name__}: {e}. Choose a preset_dir on a writable "
-            "filesystem, or fix its permissions."
-        ) from e
+    _make_staging(staging)
     write_hf_files(staging, backbone, task, mapping.config)
     create_files(layout, staging)
 

@@ -125,46 +125,45 @@ def _dtype(backbone: Any) -> str:
     return backbone.dtype_policy.variable_dtype
 
 
-# --- Qwen 3 ------------------------------------------------------------------
-
-
-def _qwen3_layout(backbone: Any) -> Layout:
+def _decoder_config(backbone: Any, architecture: str, model_type: str, heads: str = "num_query_heads") -> dict[str, Any]:
+    """The keys every decoder family's config.json shares."""
     c = backbone.get_config()
-    h = c["hidden_dim"]
-
-    def layer(i: int, p: str) -> Layout:
-        attn = _attention(p, h, c["num_query_heads"], c["num_key_value_heads"], c["head_dim"], qk_norm=True)
-        return attn + _mlp(p + "mlp.", h, c["intermediate_dim"]) + _norms(p, h)
-
-    return _model(backbone, layer, c["tie_word_embeddings"])
-
-
-def _qwen3_config(backbone: Any) -> dict[str, Any]:
-    c = backbone.get_config()
-    window = c.get("sliding_window_size")
     return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": c["vocabulary_size"],
         "hidden_size": c["hidden_dim"],
         "intermediate_size": c["intermediate_dim"],
         "num_hidden_layers": c["num_layers"],
-        "num_attention_heads": c["num_query_heads"],
+        "num_attention_heads": c[heads],
         "num_key_value_heads": c["num_key_value_heads"],
-        "head_dim": c["head_dim"],
         "hidden_act": "silu",
         "rms_norm_eps": c["layer_norm_epsilon"],
-        **_rope(c["rope_max_wavelength"], c.get("rope_scaling_factor")),
-        "attention_bias": False,
-        "attention_dropout": c.get("dropout", 0.0),
-        "use_sliding_window": window is not None,
-        "sliding_window": window,
-        "tie_word_embeddings": c["tie_word_embeddings"],
+        "attention_dropout": c.get("dropout", c.get("attention_dropout", 0.0)),
         "torch_dtype": _dtype(backbone),
     }
 
 
-# --- Qwen3-MoE ---------------------------------------------------------------
+# --- Qwen 3 ------------------------------------------------------------------
+
+
+def _qwen3_layout(backbone: Any) -> Layout:
+    """Qwen 3, and Qwen3-MoE (whose sparse layers hold a router and one
+    gate / up / down projection per expert)."""
+    c = backbone.get_config()
+    h = c["hidden_dim"]
+
+    def layer(i: int, p: str) -> Layout:
+        t = _attention(p, h, c["num_query_heads"], c["num_key_value_heads"], c["head_dim"], qk_norm=True)
+        if "num_experts" in c and _is_moe_layer(c, i):
+            t += [(f"{p}mlp.gate.weight", (c["num_experts"], h))]
+            for e in range(c["num_experts"]):
+                t += _mlp(f"{p}mlp.experts.{e}.", h, c["moe_intermediate_dim"])
+        else:
+            t += _mlp(p + "mlp.", h, c["intermediate_dim"])
+        return t + _norms(p, h)
+
+    return _model(backbone, layer, c["tie_word_embeddings"])
 
 
 def _is_moe_layer(c: dict[str, Any], i: int) -> bool:
@@ -175,37 +174,29 @@ def _is_moe_layer(c: dict[str, Any], i: int) -> bool:
     )
 
 
-def _qwen3_moe_layout(backbone: Any) -> Layout:
+def _qwen3_config(backbone: Any) -> dict[str, Any]:
     c = backbone.get_config()
-    h, experts, moe = c["hidden_dim"], c["num_experts"], c["moe_intermediate_dim"]
+    window = c.get("sliding_window_size")
+    return {
+        **_decoder_config(backbone, "Qwen3ForCausalLM", "qwen3"),
+        "head_dim": c["head_dim"],
+        **_rope(c["rope_max_wavelength"], c.get("rope_scaling_factor")),
+        "attention_bias": False,
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "tie_word_embeddings": c["tie_word_embeddings"],
+    }
 
-    def layer(i: int, p: str) -> Layout:
-        t = _attention(p, h, c["num_query_heads"], c["num_key_value_heads"], c["head_dim"], qk_norm=True)
-        if _is_moe_layer(c, i):
-            t += [(f"{p}mlp.gate.weight", (experts, h))]
-            for e in range(experts):
-                t += _mlp(f"{p}mlp.experts.{e}.", h, moe)
-        else:
-            t += _mlp(p + "mlp.", h, c["intermediate_dim"])
-        return t + _norms(p, h)
 
-    return _model(backbone, layer, c["tie_word_embeddings"])
+# --- Qwen3-MoE ---------------------------------------------------------------
 
 
 def _qwen3_moe_config(backbone: Any) -> dict[str, Any]:
     c = backbone.get_config()
-    window = c.get("sliding_window_size")
     return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": c["vocabulary_size"],
-        "hidden_size": c["hidden_dim"],
-        "intermediate_size": c["intermediate_dim"],
+        **_qwen3_config(backbone),
+        **_decoder_config(backbone, "Qwen3MoeForCausalLM", "qwen3_moe"),
         "moe_intermediate_size": c["moe_intermediate_dim"],
-        "num_hidden_layers": c["num_layers"],
-        "num_attention_heads": c["num_query_heads"],
-        "num_key_value_heads": c["num_key_value_heads"],
-        "head_dim": c["head_dim"],
         "num_experts": c["num_experts"],
         "num_experts_per_tok": c["top_k"],
         "norm_topk_prob": c["norm_top_k_prob"],
@@ -213,15 +204,8 @@ def _qwen3_moe_config(backbone: Any) -> dict[str, Any]:
         "mlp_only_layers": list(c.get("mlp_only_layers") or []),
         "router_aux_loss_coef": c["router_aux_loss_coefficient"],
         "output_router_logits": False,
-        "hidden_act": "silu",
-        "rms_norm_eps": c["layer_norm_epsilon"],
-        **_rope(c["rope_max_wavelength"], c.get("rope_scaling_factor")),
-        "attention_bias": False,
-        "attention_dropout": c.get("dropout", 0.0),
+        # KerasHub's converter reads `sliding_window` whatever this says.
         "use_sliding_window": False,
-        "sliding_window": window,
-        "tie_word_embeddings": c["tie_word_embeddings"],
-        "torch_dtype": _dtype(backbone),
     }
 
 
@@ -247,27 +231,16 @@ def _mixtral_layout(backbone: Any) -> Layout:
 def _mixtral_config(backbone: Any) -> dict[str, Any]:
     c = backbone.get_config()
     return {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "vocab_size": c["vocabulary_size"],
-        "hidden_size": c["hidden_dim"],
-        "intermediate_size": c["intermediate_dim"],
-        "num_hidden_layers": c["num_layers"],
-        "num_attention_heads": c["num_query_heads"],
-        "num_key_value_heads": c["num_key_value_heads"],
+        **_decoder_config(backbone, "MixtralForCausalLM", "mixtral"),
         "head_dim": c["hidden_dim"] // c["num_query_heads"],
         "num_local_experts": c["num_experts"],
         "num_experts_per_tok": c["top_k"],
         "router_aux_loss_coef": c["router_aux_loss_coef"],
         "router_jitter_noise": c.get("router_jitter_noise", 0.0),
         "output_router_logits": False,
-        "hidden_act": "silu",
-        "rms_norm_eps": c["layer_norm_epsilon"],
         **_rope(c["rope_max_wavelength"], c.get("rope_scaling_factor")),
         "sliding_window": c["sliding_window"],
-        "attention_dropout": c.get("dropout", 0.0),
         "tie_word_embeddings": False,
-        "torch_dtype": _dtype(backbone),
     }
 
 
@@ -319,21 +292,12 @@ def _gpt_oss_traced_as(name: str, shape: tuple[int, ...]) -> list[tuple[str, tup
 def _gpt_oss_config(backbone: Any) -> dict[str, Any]:
     c = backbone.get_config()
     config = {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "vocab_size": c["vocabulary_size"],
-        "hidden_size": c["hidden_dim"],
-        "intermediate_size": c["intermediate_dim"],
-        "num_hidden_layers": c["num_layers"],
-        "num_attention_heads": c["num_query_heads"],
-        "num_key_value_heads": c["num_key_value_heads"],
+        **_decoder_config(backbone, "GptOssForCausalLM", "gpt_oss"),
         "head_dim": _gpt_oss_head_dim(c),
         "num_local_experts": c["num_experts"],
         "num_experts_per_tok": c["top_k"],
         "experts_per_token": c["top_k"],
         "output_router_logits": False,
-        "hidden_act": "silu",
-        "rms_norm_eps": c["layer_norm_epsilon"],
         "rope_theta": c["rope_max_wavelength"],
         # KerasHub's gpt-oss always applies YaRN with these parameters.
         "rope_scaling": {
@@ -347,9 +311,7 @@ def _gpt_oss_config(backbone: Any) -> dict[str, Any]:
             "sliding_attention" if i % 2 == 1 else "full_attention" for i in range(c["num_layers"])
         ],
         "attention_bias": True,
-        "attention_dropout": c.get("dropout", 0.0),
         "tie_word_embeddings": False,
-        "torch_dtype": _dtype(backbone),
     }
     return config
 
@@ -374,16 +336,7 @@ def _smollm3_layout(backbone: Any) -> Layout:
 def _smollm3_config(backbone: Any) -> dict[str, Any]:
     c = backbone.get_config()
     return {
-        "architectures": ["SmolLM3ForCausalLM"],
-        "model_type": "smollm3",
-        "vocab_size": c["vocabulary_size"],
-        "hidden_size": c["hidden_dim"],
-        "intermediate_size": c["intermediate_dim"],
-        "num_hidden_layers": c["num_layers"],
-        "num_attention_heads": c["num_attention_heads"],
-        "num_key_value_heads": c["num_key_value_heads"],
-        "hidden_act": "silu",
-        "rms_norm_eps": c["layer_norm_epsilon"],
+        **_decoder_config(backbone, "SmolLM3ForCausalLM", "smollm3", heads="num_attention_heads"),
         "max_position_embeddings": c["max_position_embeddings"],
         "rope_theta": c["rope_theta"],
         "rope_scaling": None,
@@ -392,7 +345,6 @@ def _smollm3_config(backbone: Any) -> dict[str, Any]:
         "use_sliding_window": False,
         "sliding_window": None,
         "attention_bias": c["attention_bias"],
-        "attention_dropout": c["attention_dropout"],
         "mlp_bias": c["mlp_bias"],
         "tie_word_embeddings": True,
         # Transformers' defaults are SmolLM3's real ids; the tokenizer's, if
@@ -400,7 +352,6 @@ def _smollm3_config(backbone: Any) -> dict[str, Any]:
         "pad_token_id": None,
         "bos_token_id": None,
         "eos_token_id": None,
-        "torch_dtype": _dtype(backbone),
     }
 
 
@@ -429,18 +380,13 @@ def _gemma_layout(backbone: Any, gemma2: bool) -> Layout:
 
 def _gemma2_config(backbone: Any) -> dict[str, Any]:
     c = backbone.get_config()
+    config = _decoder_config(backbone, "Gemma2ForCausalLM", "gemma2")
+    del config["hidden_act"]
     return {
-        "architectures": ["Gemma2ForCausalLM"],
-        "model_type": "gemma2",
-        "vocab_size": c["vocabulary_size"],
-        "hidden_size": c["hidden_dim"],
+        **config,
         "intermediate_size": c["intermediate_dim"] // 2,
-        "num_hidden_layers": c["num_layers"],
-        "num_attention_heads": c["num_query_heads"],
-        "num_key_value_heads": c["num_key_value_heads"],
         "head_dim": c["head_dim"],
         "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": c["layer_norm_epsilon"],
         "rope_theta": 10000.0,
         "query_pre_attn_scalar": (
             c["head_dim"] if c["query_head_dim_normalize"] else c["hidden_dim"] // c["num_query_heads"]
@@ -452,16 +398,14 @@ def _gemma2_config(backbone: Any) -> dict[str, Any]:
             "sliding_attention" if c["use_sliding_window_attention"] and i % 2 == 0 else "full_attention"
             for i in range(c["num_layers"])
         ],
-        "attention_dropout": c.get("dropout", 0.0),
         "tie_word_embeddings": True,
         "pad_token_id": 0,
-        "torch_dtype": _dtype(backbone),
     }
 
 
 FAMILIES: dict[str, Family] = {
     "Qwen3Backbone": Family("qwen3", _qwen3_layout, _qwen3_config),
-    "Qwen3MoeBackbone": Family("qwen3_moe", _qwen3_moe_layout, _qwen3_moe_config),
+    "Qwen3MoeBackbone": Family("qwen3_moe", _qwen3_layout, _qwen3_moe_config),
     "MixtralBackbone": Family("mixtral", _mixtral_layout, _mixtral_config),
     "GptOssBackbone": Family("gpt_oss", _gpt_oss_layout, _gpt_oss_config, _gpt_oss_traced_as),
     "SmolLM3Backbone": Family("smollm3", _smollm3_layout, _smollm3_config),

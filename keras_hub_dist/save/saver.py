@@ -145,14 +145,7 @@ def save_sharded_preset(
             be written; the processes passed different `preset_dir`s; or
             writing failed on some process.
     """
-    target = os.path.abspath(os.fspath(preset_dir))
-    targets = _processes.gather_strings(target)
-    if len(set(targets)) > 1:
-        raise SaveError(
-            "Expected every process to pass the same preset_dir. Received: "
-            + ", ".join(f"process {i}: {t!r}" for i, t in enumerate(targets))
-            + ". Pass one path on a filesystem all processes share."
-        )
+    target = _agreed_target(preset_dir)
     backbone, task = _backbone_and_task(model)
     _processes.check_all(_model_error(model), SaveError, "Cannot save the model")
     _processes.check_all(_target_error(target, overwrite), SaveError, f"Cannot save to {target!r}")
@@ -200,6 +193,32 @@ def save_sharded_preset(
         if jax.process_index() == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _agreed_target(preset_dir: str | os.PathLike) -> str:
+    """The absolute target, once every process has passed the same one."""
+    target = os.path.abspath(os.fspath(preset_dir))
+    targets = _processes.gather_strings(target)
+    if len(set(targets)) > 1:
+        raise SaveError(
+            "Expected every process to pass the same preset_dir. Received: "
+            + ", ".join(f"process {i}: {t!r}" for i, t in enumerate(targets))
+            + ". Pass one path on a filesystem all processes share."
+        )
+    return target
+
+
+def _make_staging(staging: str) -> None:
+    """Creates the staging directory (and the target's parents)."""
+    try:
+        os.makedirs(os.path.dirname(staging), exist_ok=True)
+        os.mkdir(staging)
+    except OSError as e:
+        raise SaveError(
+            f"Expected to create a directory beside preset_dir. Received: "
+            f"{type(e).__name__}: {e}. Choose a preset_dir on a writable "
+            "filesystem, or fix its permissions."
+        ) from e
 
 
 def _guard(step: Any) -> str | None:
@@ -310,15 +329,7 @@ def _weight_set(model: Any, skip: Sequence[Any], file_name: str, max_shard_size:
 
 
 def _prepare(staging: str, backbone: Any, task: Any, sets: list[_WeightSet], names: dict[str, str]) -> None:
-    try:
-        os.makedirs(os.path.dirname(staging), exist_ok=True)
-        os.mkdir(staging)
-    except OSError as e:
-        raise SaveError(
-            f"Expected to create a directory beside preset_dir. Received: "
-            f"{type(e).__name__}: {e}. Choose a preset_dir on a writable "
-            "filesystem, or fix its permissions."
-        ) from e
+    _make_staging(staging)
     if task is not None:
         _compat.save_preset_config(task, staging, names["task"])
     _compat.save_preset_config(backbone, staging, names["config"])
@@ -427,14 +438,7 @@ def _finish(
     token: str,
     names: dict[str, str],
 ) -> None:
-    sizes = [os.path.getsize(f) for f in files]
-    keys = checksums.all_chunks(sizes)
-    recorded = {}
-    for number, (path, size) in enumerate(zip(files, sizes)):
-        rows = [row for row, key in enumerate(keys) if key[0] == number]
-        recorded[os.path.basename(path)] = checksums.FileChecksum(
-            size, checksums.CHUNK_BYTES, tuple(digests[r].tobytes().hex() for r in rows)
-        ).to_json()
+    recorded = checksums.entries(files, digests)
     _compat.save_preset_metadata(backbone, staging)
     metadata_path = os.path.join(staging, names["metadata"])
     with open(metadata_path, encoding="utf-8") as f:

@@ -327,3 +327,24 @@ def test_plan_writes_each_block_once_over_processes(root):
     assert totals[0] == totals[1]
     assert len(written) == sum(t.nbytes for t in mapping.tensors)
     assert 0.3 < sum(1 for p in written.values() if p == 1) / len(written) < 0.7
+
+
+def test_gemma_lora_is_merged_where_stock_drops_it(tmp_path):
+    """Stock's Gemma map reads `weights[0]`, the kernel without its LoRA
+    update; the export writes what `save_to_preset` saves: merged."""
+    keras.utils.set_random_seed(0)
+    model = keras_hub.models.GemmaBackbone(num_query_heads=4, num_key_value_heads=1, head_dim=16, **GEMMA)
+    model.enable_lora(rank=2)
+    rng = np.random.default_rng(0)
+    for variable in model.trainable_variables:
+        variable.assign(rng.standard_normal(variable.shape).astype("float32") * 0.1)
+    save_sharded_preset(model, str(tmp_path / "ours"), format="huggingface", progress=False)
+    stock, _ = _stock_export(model, str(tmp_path / "stock"))
+    query = model.get_layer("decoder_block_0").attention.query_dense
+
+    def as_hf(kernel):
+        return np.transpose(np.asarray(kernel), (0, 2, 1)).reshape(-1, 64)
+
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert _tensors(tmp_path / "ours")[name].tobytes() == as_hf(query.kernel).tobytes()
+    assert stock[name].tobytes() == as_hf(query._kernel).tobytes() != as_hf(query.kernel).tobytes()

@@ -2,6 +2,7 @@
 writes (dataset for dataset), loadable by stock and by us on other meshes,
 no device spike, crash-safe, checksummed, and clear errors."""
 
+import gc
 import json
 import os
 import shutil
@@ -98,12 +99,15 @@ def _save_with_sampler(model, path, monkeypatch=None, **kwargs):
     With `monkeypatch`, one sample is also taken as each value is written:
     a value that lives only while it is written (a merged LoRA kernel) is
     then seen however busy the machine is, not only when the background
-    thread happens to sample in that moment."""
+    thread happens to sample in that moment. Earlier tests' garbage is
+    collected first: an array of theirs freed mid-save would hide bytes."""
+    gc.collect()
     with memory.MemorySampler() as sampler:
         if monkeypatch is not None:
             write_value = saver.write_value
 
             def sampled_write_value(*args, **kw):
+                gc.collect()  # a value already written may wait in a cycle
                 sampler.sample()
                 return write_value(*args, **kw)
 
