@@ -120,7 +120,26 @@ def _case_convert(args, which: str) -> dict:
             for name in sorted(os.listdir(args.preset)):
                 shutil.copyfile(os.path.join(args.preset, name), os.path.join(args.out, name))
     else:
+        from keras_hub_dist.save import convert
         from keras_hub_dist.save.convert import convert_checkpoint
+
+        # RssAnon also sampled as each tile is written (the thread needs the
+        # GIL, and may miss a moment): the larger of the two is reported.
+        at_writes = [0]
+        write = convert.PieceWriter.write
+        status = os.open("/proc/self/status", os.O_RDONLY)
+
+        def anon() -> int:
+            text = os.pread(status, 1 << 16, 0)
+            start = text.index(b"RssAnon:")
+            return int(text[start + 8:text.index(b"\n", start)].split()[0]) * 1024
+
+        def sampled(self, *a):
+            result = write(self, *a)
+            at_writes[0] = max(at_writes[0], anon())
+            return result
+
+        convert.PieceWriter.write = sampled
 
         def call():
             stats = convert_checkpoint(
@@ -130,6 +149,8 @@ def _case_convert(args, which: str) -> dict:
             return {"bytes_read": stats.bytes_read, "bytes_copied": stats.bytes_copied, "tiles": stats.tiles}
 
     result = _measured(call)
+    if which != "copy":
+        result["anon_peak"] = max(result["anon_peak"], at_writes[0])
     result["model_bytes"] = sum(
         os.path.getsize(os.path.join(args.out, n)) for n in os.listdir(args.out)
     )

@@ -56,8 +56,8 @@ def save_sharded_preset(
     with the weights as `model-0000i-of-0000n.safetensors` shards (split as
     Transformers' `save_pretrained` splits them, `max_shard_size` of
     `None` meaning its `"50GB"`) and `model.safetensors.index.json`.
-    Transformers, vLLM, SGLang, KerasHub and `load_sharded_preset` read
-    it. For the families KerasHub exports (Gemma, Gemma 3, Gemma 4, Llama 3,
+    Transformers, KerasHub and `load_sharded_preset` read it (tested), and
+    so do servers that read Transformers checkpoints (vLLM, SGLang). For the families KerasHub exports (Gemma, Gemma 3, Gemma 4, Llama 3,
     Mistral, Qwen 2, Qwen 3.5, GPT-2) the tensors are those of KerasHub's
     exporter (where it is right, see the README); Qwen 3, Qwen3-MoE,
     Mixtral, gpt-oss (unquantized), SmolLM3 and Gemma 2 are written by

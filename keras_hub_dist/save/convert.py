@@ -35,6 +35,7 @@ import math
 import os
 import secrets
 import shutil
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -78,13 +79,15 @@ class ConvertStats:
 @dataclass(frozen=True)
 class _Job:
     """One source tensor and where its elements go: `(file path, piece,
-    byte offset of the target tensor, target dtype)`."""
+    byte offset of the target tensor, target dtype)`. `stored` tensors are
+    read into a worker's reused buffer; others through `read`."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
     read: Callable[[Index], np.ndarray]
     targets: tuple[tuple[str, Piece, int, np.dtype], ...]
     keeps_order: bool
+    stored: StoredTensor | None = None
 
 
 def tiles(shape: Sequence[int], itemsize: int, budget: int | None = None, *, rows_only: bool = False) -> Iterator[Index]:
@@ -124,36 +127,74 @@ def _keeps_order(pieces: Sequence[Piece]) -> bool:
     return True
 
 
-def _run(jobs: Sequence[_Job], writer: PieceWriter, stats: ConvertStats, bar: Any) -> None:
-    """Reads every job's tiles (one ahead) and writes them through their pieces."""
+class _Worker:
+    """One converting thread: its files, its read buffer, its write buffer."""
 
-    def work() -> Iterator[tuple[_Job, Index]]:
-        for job in jobs:
-            for box in tiles(job.shape, job.dtype.itemsize, rows_only=job.keeps_order):
-                yield job, box
+    def __init__(self) -> None:
+        self.reads = host_io.FileDescriptors(os.O_RDONLY)
+        self.writer = PieceWriter(host_io.FileDescriptors(os.O_WRONLY))
+        self.buffer = host_io.aligned_empty((TILE_BYTES,), np.uint8)
+        self.bytes_read = 0
+        self.tiles = 0
 
-    with ThreadPoolExecutor(1, "keras_hub_dist-convert") as reader:
-        items = work()
-        pending = None
-        for job, box in items:
-            current = (job, box, reader.submit(job.read, box))
-            if pending is not None:
-                _write_tile(*pending, writer, stats, bar)
-            pending = current
-        if pending is not None:
-            _write_tile(*pending, writer, stats, bar)
+    def read(self, job: _Job, box: Index) -> np.ndarray:
+        shape = tuple(b - a for a, b in box)
+        nbytes = math.prod(shape) * job.dtype.itemsize
+        if job.stored is None or nbytes > len(self.buffer):
+            return job.read(box)
+        out = self.buffer[:nbytes].view(job.dtype).reshape(shape)
+        host_io.read_runs(self.reads(job.stored.file), job.stored.block_runs(box), out)
+        return out
+
+    def convert(self, job: _Job, box: Index) -> int:
+        """Reads one tile and writes it through its pieces; returns the
+        bytes written."""
+        values = self.read(job, box)
+        writes = []
+        for path, piece, offset, dtype in job.targets:
+            writes += [(path, w, dtype) for w in block_writes(piece, job.shape, box, offset, dtype.itemsize)]
+        before = self.writer.stats.bytes_written
+        self.writer.write(values, writes)
+        self.bytes_read += values.nbytes
+        self.tiles += 1
+        return self.writer.stats.bytes_written - before
+
+    def close(self) -> None:
+        self.reads.close()
+        self.writer.files.close()
 
 
-def _write_tile(job: _Job, box: Index, future: Any, writer: PieceWriter, stats: ConvertStats, bar: Any) -> None:
-    values = future.result()
-    writes = []
-    for path, piece, offset, dtype in job.targets:
-        writes += [(path, w, dtype) for w in block_writes(piece, job.shape, box, offset, dtype.itemsize)]
-    before = writer.stats.bytes_written
-    writer.write(values, writes)
-    stats.bytes_read += values.nbytes
-    stats.tiles += 1
-    bar.update(writer.stats.bytes_written - before)
+def _run(jobs: Sequence[_Job], num_threads: int, stats: ConvertStats, bar: Any) -> None:
+    """Converts every tile of every job on `num_threads` threads (reads,
+    copies and positioned writes release the GIL: one thread reads while
+    another transposes)."""
+    items = iter([
+        (job, box) for job in jobs for box in tiles(job.shape, job.dtype.itemsize, rows_only=job.keeps_order)
+    ])
+    lock = threading.Lock()
+    workers = [_Worker() for _ in range(max(1, num_threads))]
+
+    def work(worker: _Worker) -> None:
+        while True:
+            with lock:
+                item = next(items, None)
+            if item is None:
+                return
+            written = worker.convert(*item)
+            with lock:
+                bar.update(written)
+
+    try:
+        with ThreadPoolExecutor(len(workers), "keras_hub_dist-convert") as pool:
+            for future in [pool.submit(work, w) for w in workers]:
+                future.result()
+    finally:
+        for worker in workers:
+            worker.close()
+            stats.bytes_read += worker.bytes_read
+            stats.tiles += worker.tiles
+            stats.bytes_written += worker.writer.stats.bytes_written
+            stats.bytes_copied += worker.writer.stats.bytes_copied
 
 
 def _source_dtype(config: dict[str, Any], checkpoint: Any, backbone_config: dict[str, Any]) -> Any:
@@ -191,6 +232,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     progress: bool | None = None,
     max_shard_size: float | int | str | None = None,
+    num_threads: int = 2,
 ) -> ConvertStats:
     """Converts a KerasHub preset to a Hugging Face checkpoint or back, file
     to file, never holding the model's values.
@@ -212,6 +254,7 @@ def convert_checkpoint(
         overwrite: Replace an existing non-empty `target` once complete.
         progress: Show a progress bar; default: when stderr is a terminal.
         max_shard_size: As `save_sharded_preset`.
+        num_threads: Threads that convert tiles (and hash the files).
 
     Returns:
         `ConvertStats`.
@@ -245,13 +288,11 @@ def convert_checkpoint(
         index = checkpoint.index_checkpoint(backbone, resolved.ref, resolved.label, config)
         task_model = _task(resolved, backbone, read_metadata(resolved), task)
         sources = {id(e.variable): e.source for e in index.entries}
-        datasets = {
-            name: v for name, v in keras_h5.expected_datasets(backbone).items() if id(v) in sources
-        }
+        datasets = keras_h5.expected_datasets(backbone)
         convert = _to_huggingface if to == "huggingface" else _to_keras
         return convert(
             backbone, task_model, sources, datasets, resolved.ref, destination,
-            wanted_dtype, progress, max_shard_size,
+            wanted_dtype, progress, max_shard_size, num_threads,
         )
     finally:
         _compat.forget_deferred_variables(created)
@@ -263,13 +304,14 @@ def _staging(destination: str) -> tuple[str, str]:
     return os.path.join(parent, f".{base}.partial-{token}"), token
 
 
-def _finish_files(paths: list[str]) -> np.ndarray:
-    return saver._local_digests(paths, 2)
+def _finish_files(paths: list[str], num_threads: int) -> np.ndarray:
+    return saver._local_digests(paths, num_threads)
 
 
 def _to_huggingface(
     backbone: Any, task: Any, sources: dict[int, TensorSource], datasets: dict[str, Any],
     ref: str, destination: str, dtype: np.dtype | None, progress: bool | None, max_shard_size: Any,
+    num_threads: int,
 ) -> ConvertStats:
     tokenizer = getattr(getattr(task, "preprocessor", None), "tokenizer", None)
     mapping = hf_mapping(backbone, tokenizer=tokenizer, dtype=dtype)
@@ -289,11 +331,11 @@ def _to_huggingface(
                 targets.append((os.path.join(staging, file), piece, offset, np.dtype(specs[tensor].dtype)))
             jobs.append(_Job(
                 mapping.shapes[name], np.dtype(source.dtype), source.read, tuple(targets),
-                _keeps_order([p for _, p in pairs]),
+                _keeps_order([p for _, p in pairs]), source.stored,
             ))
-        _write_all(jobs, layout.total_size, destination, progress, stats)
+        _write_all(jobs, layout.total_size, destination, progress, stats, num_threads)
         with open(os.path.join(staging, INDEX_FILE), "w", encoding="utf-8") as f:
-            f.write(hf_export.checksummed_index(layout, paths, _finish_files(paths)))
+            f.write(hf_export.checksummed_index(layout, paths, _finish_files(paths, num_threads)))
         saver._publish(staging, destination, token)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -301,17 +343,14 @@ def _to_huggingface(
     return stats
 
 
-def _write_all(jobs: Sequence[_Job], total: int, destination: str, progress: bool | None, stats: ConvertStats) -> None:
-    files = host_io.FileDescriptors(os.O_WRONLY)
-    writer = PieceWriter(files)
+def _write_all(
+    jobs: Sequence[_Job], total: int, destination: str, progress: bool | None, stats: ConvertStats, num_threads: int
+) -> None:
     bar = byte_progress(total, f"Converting to {os.path.basename(destination)}", progress)
     try:
-        _run(jobs, writer, stats, bar)
+        _run(jobs, num_threads, stats, bar)
     finally:
-        files.close()
         bar.close()
-    stats.bytes_written += writer.stats.bytes_written
-    stats.bytes_copied += writer.stats.bytes_copied
 
 
 def _leaf_tensors(ref: str) -> dict[tuple[str, int], StoredTensor]:
@@ -323,6 +362,7 @@ def _leaf_tensors(ref: str) -> dict[tuple[str, int], StoredTensor]:
 def _to_keras(
     backbone: Any, task: Any, sources: dict[int, TensorSource], datasets: dict[str, Any],
     ref: str, destination: str, dtype: np.dtype | None, progress: bool | None, max_shard_size: Any,
+    num_threads: int,
 ) -> ConvertStats:
     names = _compat.preset_file_names()
     limit = 10 if max_shard_size is None else max_shard_size
@@ -343,8 +383,15 @@ def _to_keras(
         jobs: list[_Job] = []
         for name, variable in datasets.items():
             info = on_disk[name]
-            source = sources[id(variable)]
             target_dtype = np.dtype(info.dtype)
+            source = sources.get(id(variable))
+            if source is None:
+                # A buffer the checkpoint does not hold (SmolLM3's rotary
+                # inv_freq): its initial value, as a load gives it.
+                value = _initial_value(variable)
+                jobs.append(_Job(info.shape, value.dtype, lambda box, v=value: v[_slices(box)].copy(),
+                                 ((info.file, identity(("<value>", 0), info.shape), info.offset, target_dtype),), True))
+                continue
             try:
                 pieces = pieces_of(source)
             except NotAffine:  # e.g. MXFP4: converted in the variable's layout
@@ -356,15 +403,26 @@ def _to_keras(
                 by_leaf.setdefault(piece.leaf, []).append((info.file, piece, info.offset, target_dtype))
         for key, targets in by_leaf.items():
             leaf = leaves[key]
-            jobs.append(_Job(leaf.shape, leaf.dtype, leaf.read, tuple(targets), _keeps_order([p for _, p, _, _ in targets])))
+            jobs.append(_Job(leaf.shape, leaf.dtype, leaf.read, tuple(targets),
+                             _keeps_order([p for _, p, _, _ in targets]), leaf))
         total = sum(d.nbytes for d in weight_set.layout.datasets)
-        _write_all(jobs, total, destination, progress, stats)
+        _write_all(jobs, total, destination, progress, stats, num_threads)
         files = saver._weights_files(staging, [weight_set])
-        saver._finish(staging, destination, backbone, files, _finish_files(files), token, names)
+        saver._finish(staging, destination, backbone, files, _finish_files(files, num_threads), token, names)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return stats
+
+
+def _slices(box: Index) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def _initial_value(variable: Any) -> np.ndarray:
+    """A small variable's initial value on the host (computed once)."""
+    _compat.initialize_pending([variable])
+    return np.ascontiguousarray(np.asarray(_compat.variable_array(variable)))
 
 
 def backbone_bytes(backbone: Any) -> int:
