@@ -31,7 +31,9 @@ shape: see the README) and ours' tensors with the source preset's datasets.
 Each case: wall and CPU time, host `RssAnon` peak (sampled every 1 ms) and
 growth, `VmHWM`. The disk is synced (untimed) before every case, so each
 starts with no dirty pages of the previous one. `--check` compares the
-round trip's tensors with the source checkpoint's, byte for byte, streamed.
+round trip's tensors with the source checkpoint's (SHA-256 of each, streamed;
+the source is deleted before `to_hf` unless `--keep`, so the disk holds at
+most two copies of the model).
 
 Usage (heavy: run under the machine's heavy-job lock):
 
@@ -42,6 +44,7 @@ Usage (heavy: run under the machine's heavy-job lock):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -217,11 +220,24 @@ def _check_export(ours: str, stock: str, preset: str) -> list[str]:
     return problems
 
 
-def _check_round_trip(source: str, back: str) -> list[str]:
-    a, b = _safetensors_index(source), _safetensors_index(back)
-    problems = [] if sorted(a) == sorted(b) else [f"tensor names differ: {sorted(set(a) ^ set(b))[:5]}"]
-    for name in sorted(set(a) & set(b)):
-        if not _same_bytes(a[name], b[name]):
+def _tensor_digests(folder: str) -> dict[str, tuple]:
+    """tensor name -> (dtype, shape, SHA-256 of its bytes), streamed."""
+    out = {}
+    for name, (path, offset, nbytes, dtype, shape) in _safetensors_index(folder).items():
+        digest = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            for lo in range(0, nbytes, CHUNK):
+                digest.update(os.pread(f.fileno(), min(CHUNK, nbytes - lo), offset + lo))
+        out[name] = (dtype, tuple(shape), digest.hexdigest())
+    return out
+
+
+def _check_round_trip(source: dict[str, tuple], back: str) -> list[str]:
+    """The round trip's tensors against the source's digests."""
+    after = _tensor_digests(back)
+    problems = [] if sorted(source) == sorted(after) else [f"tensor names differ: {sorted(set(source) ^ set(after))[:5]}"]
+    for name in sorted(set(source) & set(after)):
+        if source[name] != after[name]:
             problems.append(f"{name}: differs after the round trip")
     return problems
 
@@ -317,7 +333,13 @@ def main() -> None:
         order = (args.cases or "copy,to_keras,to_hf").split(",")
         outputs = {}
         keras_dir = os.path.join(args.workdir, "converted_keras")
+        digests = None
         for case in order:
+            if case == "to_hf" and not args.keep:
+                # The source is not needed any more: its tensors' digests
+                # are, for --check (peak disk: two copies of the model).
+                digests = _tensor_digests(source) if args.check else None
+                _remove(source)
             subprocess.run(["sync"], check=False)
             out = {"copy": os.path.join(args.workdir, "copy"), "to_keras": keras_dir,
                    "to_hf": os.path.join(args.workdir, "converted_hf")}[case]
@@ -341,7 +363,7 @@ def main() -> None:
         if args.bench == "export":
             problems = _check_export(outputs["ours"], outputs["stock"], source)
         else:
-            problems = _check_round_trip(source, outputs["to_hf"])
+            problems = _check_round_trip(digests or _tensor_digests(source), outputs["to_hf"])
         print("\n--check:", "OK" if not problems else f"FAILED {problems[:5]}")
     if not args.keep:
         for path in list(outputs.values()) + [source]:

@@ -11,9 +11,10 @@ and the two are joined by affine pieces (`formats.pieces`): each tile of a
 source tensor is read (`preadv` of its byte runs), goes through the
 transform (transposes and casts through one 16 MiB buffer,
 `save.piece_write`) and is written at its offsets in the target file. A
-tile is at most `TILE_BYTES`; one tile is read ahead while the last is
-written. Host memory is thus bounded by about 3 tiles plus the buffer
-(~210 MiB), whatever the model's size (`BENCHMARKS.md`). A value that is not
+tile is at most `TILE_BYTES`; `num_threads` workers each convert one tile
+at a time into their own reused buffers (one reads while another
+transposes), so host memory is bounded by `num_threads x (64 + 16) MiB`
+plus the plan, whatever the model's size (`BENCHMARKS.md`). A value that is not
 a pure rearrangement of stored tensors (gpt-oss's MXFP4 experts) is
 converted tile by tile in the variable's own layout instead.
 

@@ -110,8 +110,8 @@ def test_dtype_and_a_task_with_its_tokenizer(tmp_path):
 
 def test_host_memory_stays_under_the_tiles(tmp_path, monkeypatch):
     """Sampled as each tile is written: while the weights are converted,
-    anonymous memory grows by at most ~3 tiles (one read ahead) and the copy
-    buffer, not by the model (here ~60 tiles); planning adds a few MiB."""
+    anonymous memory grows by at most a tile buffer and a copy buffer per
+    worker thread, not by the model (here ~60 tiles); planning adds a few MiB."""
     monkeypatch.setattr(convert, "TILE_BYTES", 4 << 20)
     path = write_synthetic_preset(
         str(tmp_path / "src"), keras_hub.models.Llama3Backbone, dtype="float32", vocabulary_size=16384,
@@ -135,7 +135,8 @@ def test_host_memory_stays_under_the_tiles(tmp_path, monkeypatch):
     before = host_rss.anon_rss_bytes()
     convert_checkpoint(path, str(tmp_path / "hf"), to="huggingface", progress=False)
     assert model_bytes > 200 << 20 and len(samples) > 100
-    assert max(samples) - start[0] < 3 * (4 << 20) + CHUNK_BYTES + (8 << 20), (max(samples) - start[0]) >> 20
+    workers = 2
+    assert max(samples) - start[0] < workers * ((4 << 20) + CHUNK_BYTES) + (8 << 20), (max(samples) - start[0]) >> 20
     assert max(samples) - before < model_bytes / 4, (max(samples) - before) >> 20
 
 
