@@ -123,8 +123,16 @@ def _case_convert(args, which: str) -> dict:
             for name in sorted(os.listdir(args.preset)):
                 shutil.copyfile(os.path.join(args.preset, name), os.path.join(args.out, name))
     else:
+        import h5py  # noqa: F401 - imported before measuring, as the rest:
+        import keras_hub  # noqa: F401 - modules loaded during the call
+                          # would count their heap as the conversion's
+
+        from keras_hub_dist import _compat
         from keras_hub_dist.save import convert
         from keras_hub_dist.save.convert import convert_checkpoint
+
+        _compat.stock_hf_exporter()
+        _compat.transformers_converter({"model_type": "gemma"})
 
         # RssAnon also sampled as each tile is written (the thread needs the
         # GIL, and may miss a moment): the larger of the two is reported.

@@ -47,7 +47,7 @@ import numpy as np
 from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.errors import SaveError
-from keras_hub_dist.formats import host_io, keras_h5
+from keras_hub_dist.formats import checksums, host_io, keras_h5
 from keras_hub_dist.formats.base import Index, StoredTensor, TensorSource
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.pieces import NotAffine, Piece, block_writes, identity, pieces_of
@@ -131,9 +131,9 @@ def _keeps_order(pieces: Sequence[Piece]) -> bool:
 class _Worker:
     """One converting thread: its files, its read buffer, its write buffer."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_written: Callable[[str, Any], None] | None) -> None:
         self.reads = host_io.FileDescriptors(os.O_RDONLY)
-        self.writer = PieceWriter(host_io.FileDescriptors(os.O_WRONLY))
+        self.writer = PieceWriter(host_io.FileDescriptors(os.O_WRONLY), on_written=on_written)
         self.buffer = host_io.aligned_empty((TILE_BYTES,), np.uint8)
         self.bytes_read = 0
         self.tiles = 0
@@ -165,7 +165,7 @@ class _Worker:
         self.writer.files.close()
 
 
-def _run(jobs: Sequence[_Job], num_threads: int, stats: ConvertStats, bar: Any) -> None:
+def _run(jobs: Sequence[_Job], num_threads: int, stats: ConvertStats, bar: Any, hasher: Any) -> None:
     """Converts every tile of every job on `num_threads` threads (reads,
     copies and positioned writes release the GIL: one thread reads while
     another transposes)."""
@@ -173,7 +173,7 @@ def _run(jobs: Sequence[_Job], num_threads: int, stats: ConvertStats, bar: Any) 
         (job, box) for job in jobs for box in tiles(job.shape, job.dtype.itemsize, rows_only=job.keeps_order)
     ])
     lock = threading.Lock()
-    workers = [_Worker() for _ in range(max(1, num_threads))]
+    workers = [_Worker(hasher.written) for _ in range(max(1, num_threads))]
 
     def work(worker: _Worker) -> None:
         while True:
@@ -255,7 +255,8 @@ def convert_checkpoint(
         overwrite: Replace an existing non-empty `target` once complete.
         progress: Show a progress bar; default: when stderr is a terminal.
         max_shard_size: As `save_sharded_preset`.
-        num_threads: Threads that convert tiles (and hash the files).
+        num_threads: Threads that convert tiles (one more hashes each
+            64 MiB chunk of the target as soon as it is complete).
 
     Returns:
         `ConvertStats`.
@@ -305,10 +306,6 @@ def _staging(destination: str) -> tuple[str, str]:
     return os.path.join(parent, f".{base}.partial-{token}"), token
 
 
-def _finish_files(paths: list[str], num_threads: int) -> np.ndarray:
-    return saver._local_digests(paths, num_threads)
-
-
 def _to_huggingface(
     backbone: Any, task: Any, sources: dict[int, TensorSource], datasets: dict[str, Any],
     ref: str, destination: str, dtype: np.dtype | None, progress: bool | None, max_shard_size: Any,
@@ -334,9 +331,10 @@ def _to_huggingface(
                 mapping.shapes[name], np.dtype(source.dtype), source.read, tuple(targets),
                 _keeps_order([p for _, p in pairs]), source.stored,
             ))
-        _write_all(jobs, layout.total_size, destination, progress, stats, num_threads)
+        pending = {os.path.join(staging, f.name): [(len(f.header), f.size)] for f in layout.files}
+        digests = _write_all(jobs, layout.total_size, destination, progress, stats, num_threads, pending, paths)
         with open(os.path.join(staging, INDEX_FILE), "w", encoding="utf-8") as f:
-            f.write(hf_export.checksummed_index(layout, paths, _finish_files(paths, num_threads)))
+            f.write(hf_export.checksummed_index(layout, paths, digests))
         saver._publish(staging, destination, token)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -345,13 +343,24 @@ def _to_huggingface(
 
 
 def _write_all(
-    jobs: Sequence[_Job], total: int, destination: str, progress: bool | None, stats: ConvertStats, num_threads: int
-) -> None:
+    jobs: Sequence[_Job],
+    total: int,
+    destination: str,
+    progress: bool | None,
+    stats: ConvertStats,
+    num_threads: int,
+    pending: dict[str, list[tuple[int, int]]],
+    files: list[str],
+) -> np.ndarray:
+    """Converts every job; returns the files' chunk digests, hashed as each
+    chunk is completed (`pending`: the byte ranges the jobs write)."""
+    hasher = checksums.HashingAsWritten(files, pending)
     bar = byte_progress(total, f"Converting to {os.path.basename(destination)}", progress)
     try:
-        _run(jobs, num_threads, stats, bar)
+        _run(jobs, num_threads, stats, bar, hasher)
     finally:
         bar.close()
+    return hasher.table()
 
 
 def _leaf_tensors(ref: str) -> dict[tuple[str, int], StoredTensor]:
@@ -407,9 +416,12 @@ def _to_keras(
             jobs.append(_Job(leaf.shape, leaf.dtype, leaf.read, tuple(targets),
                              _keeps_order([p for _, p, _, _ in targets]), leaf))
         total = sum(d.nbytes for d in weight_set.layout.datasets)
-        _write_all(jobs, total, destination, progress, stats, num_threads)
         files = saver._weights_files(staging, [weight_set])
-        saver._finish(staging, destination, backbone, files, _finish_files(files, num_threads), token, names)
+        pending: dict[str, list[tuple[int, int]]] = {}
+        for info in on_disk.values():
+            pending.setdefault(info.file, []).append((info.offset, info.offset + info.nbytes))
+        digests = _write_all(jobs, total, destination, progress, stats, num_threads, pending, files)
+        saver._finish(staging, destination, backbone, files, digests, token, names)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

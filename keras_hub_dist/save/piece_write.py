@@ -26,12 +26,13 @@ writer.write(block_values, [("model-00001-of-00001.safetensors", write, np.float
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from keras_hub_dist.formats import host_io
+from keras_hub_dist.formats.base import ByteRuns
 from keras_hub_dist.formats.pieces import BlockWrite
 
 __all__ = ["CHUNK_BYTES", "PieceWriter", "PieceWriteStats"]
@@ -68,11 +69,19 @@ class PieceWriter:
     Args:
         files: Open target files (`os.O_WRONLY`), by path.
         chunk_bytes: Size of the host buffer copies go through.
+        on_written: Told of the byte runs of each file as they are written
+            (`formats.checksums.HashingAsWritten.written`).
     """
 
-    def __init__(self, files: host_io.FileDescriptors, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        files: host_io.FileDescriptors,
+        chunk_bytes: int = CHUNK_BYTES,
+        on_written: Callable[[str, ByteRuns], None] | None = None,
+    ) -> None:
         self.files = files
         self.chunk_bytes = chunk_bytes
+        self.on_written = on_written
         self.stats = PieceWriteStats()
         self._buffer: np.ndarray | None = None
 
@@ -87,8 +96,11 @@ class PieceWriter:
             fd = self.files(path)
             values = write.values(block)
             if values.dtype == dtype and values.flags.c_contiguous:
-                self.stats.write_calls += host_io.write_runs(fd, write.runs(), values)
+                runs = write.runs()
+                self.stats.write_calls += host_io.write_runs(fd, runs, values)
                 self.stats.bytes_written += write.nbytes
+                if self.on_written is not None:
+                    self.on_written(path, runs)
                 continue
             if values.ndim == 0:
                 values = values.reshape(1)
@@ -106,3 +118,5 @@ class PieceWriter:
                 self.stats.write_calls += host_io.write_runs(fd, runs, out)
                 self.stats.bytes_written += out.nbytes
                 self.stats.bytes_copied += out.nbytes
+                if self.on_written is not None:
+                    self.on_written(path, runs)

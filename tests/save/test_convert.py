@@ -200,3 +200,35 @@ def test_command_line(sources, tmp_path, capsys):
     assert checksums.METADATA_KEY in json.loads((tmp_path / "k" / "metadata.json").read_text())
     code = cli.main(["convert", paths["qwen3"], str(tmp_path / "k"), "--to", "keras"])
     assert code == 2 and "non-empty directory" in capsys.readouterr().err
+
+
+def test_chunks_are_hashed_as_they_are_completed(tmp_path, monkeypatch):
+    """`HashingAsWritten` with 1000-byte chunks: runs inside and across
+    chunk boundaries, strided, in any order; a chunk is hashed once its
+    last byte is written, and every digest is the file's."""
+    from keras_hub_dist.formats.base import ByteRuns
+
+    monkeypatch.setattr(checksums, "CHUNK_BYTES", 1000)
+    path = tmp_path / "f"
+    data = np.random.default_rng(0).integers(0, 255, 3500, dtype=np.uint8)
+    path.write_bytes(data[:120].tobytes() + bytes(3380))  # a header, then a hole
+    hasher = checksums.HashingAsWritten([str(path)], {str(path): [(120, 3500)]})
+    # Bytes 120:3500, each once: 150 of every 300 one run at a time, the
+    # others as one strided run (870:1020 and 2970:3120 cross chunk
+    # boundaries), and the tail.
+    runs = [ByteRuns(120 + 300 * i, 150, (), ()) for i in range(11)]
+    runs += [ByteRuns(270, 150, (11,), (300,)), ByteRuns(3420, 80, (), ())]
+    covered = sorted(o for run in runs for o, n in run for o in range(o, o + n))
+    assert covered == list(range(120, 3500))
+    fd = os.open(path, os.O_WRONLY)
+    completed = []
+    for run in reversed(runs):
+        for offset, length in run:
+            os.pwrite(fd, data[offset : offset + length].tobytes(), offset)
+        hasher.written(str(path), run)
+        completed.append(len(hasher._futures))
+    os.close(fd)
+    table = hasher.table()
+    expected = checksums.chunk_digests([str(path)], checksums.all_chunks([3500]), chunk_bytes=[1000])
+    assert [bytes(row) for row in table] == [expected[(0, c)] for c in range(4)]
+    assert completed[0] == 0 and completed[-1] == 4  # hashed as completed, not all at the end
