@@ -41,7 +41,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     import keras_hub_dist
     from keras_hub_dist import _compat
-    from keras_hub_dist.validate.memory import MemorySampler
+    from keras_hub_dist.measure.memory import MemorySampler
 
     batch, model = (int(x) for x in args.mesh.split("x"))
     mesh = keras.distribution.DeviceMesh(

@@ -133,7 +133,7 @@ def _weights_bytes(preset: str) -> int:
 def _case_floor(args, huge_pages: bool) -> dict:
     import numpy as np
 
-    from keras_hub_dist.validate import memory
+    from keras_hub_dist.measure import memory
     from keras_hub_dist.formats.host_io import aligned_empty
 
     files = _weights_files(args.preset)
@@ -177,7 +177,7 @@ def _case_load(args, which: str, sample: bool) -> dict:
     import keras_hub
 
     import keras_hub_dist
-    from keras_hub_dist.validate import memory
+    from keras_hub_dist.measure import memory
 
     mesh = keras.distribution.DeviceMesh((1, 8), ("batch", "model"), jax.devices())
     if which == "stock":

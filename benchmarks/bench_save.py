@@ -6,8 +6,13 @@ cannot hide another's), on 8 simulated CPU devices, mesh (1, 8):
 - `floor`: write the model's byte count to a new file in the workdir from one
   reused 64 MiB buffer (sequential `os.write`), then close: the physical
   floor of any saver (time only).
+- `floor_durable`: the same, then `os.fsync` before closing: the floor of a
+  save that waits for the disk.
 - `ours`: `model = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8))`,
   then `keras_hub_dist.save_sharded_preset(model, out_dir)`.
+- `ours_durable`: the same with `durable=True` (every file and directory
+  fsynced, the parent around the rename); the time spent in `os.fsync` is
+  reported too.
 - `stock`: the same load, then `model.save_to_preset(out_dir)` (the
   `ModelParallel` distribution the load set stays active, as it would for a
   user).
@@ -226,7 +231,7 @@ def _check(args, model, out: str, which: str) -> dict:
         elif value.tobytes() != _read_dataset(saved[name], 0, saved[name].nbytes):
             problems.append(f"variable {variables[name].path}: saved bytes differ from the model")
     verified = None
-    if which == "ours":
+    if which.startswith("ours"):
         with open(os.path.join(out, "metadata.json")) as f:
             metadata = json.load(f)
         try:
@@ -248,7 +253,7 @@ def _check(args, model, out: str, which: str) -> dict:
 # --- cases (run in a fresh subprocess) -----------------------------------------------
 
 
-def _case_floor(args) -> dict:
+def _case_floor(args, durable: bool = False) -> dict:
     buffer = memoryview(os.urandom(FLOOR_BUFFER_BYTES))
     cpu0 = _cpu_seconds()
     start = time.perf_counter()
@@ -256,6 +261,8 @@ def _case_floor(args) -> dict:
     done = 0
     while done < args.nbytes:
         done += os.write(fd, buffer[: min(len(buffer), args.nbytes - done)])
+    if durable:
+        os.fsync(fd)
     os.close(fd)
     wall = time.perf_counter() - start
     return {
@@ -284,14 +291,28 @@ def _case_save(args, which: str) -> dict:
         shutil.rmtree(args.out)
     gc.collect()
 
+    fsyncs = {"s": 0.0, "calls": 0}
+    if which == "ours_durable":  # how long the save waits for the disk
+        real_fsync = os.fsync
+
+        def timed_fsync(fd):
+            start = time.perf_counter()
+            try:
+                return real_fsync(fd)
+            finally:
+                fsyncs["s"] += time.perf_counter() - start
+                fsyncs["calls"] += 1
+
+        os.fsync = timed_fsync
     sampler = keras_hub_dist.MemorySampler(interval_s=0.002)
     with _AnonSampler(interval_s=0.001) as anon:
         with sampler:
             cpu0 = _cpu_seconds()
             start = time.perf_counter()
-            if which == "ours":
+            if which.startswith("ours"):
                 keras_hub_dist.save_sharded_preset(
-                    model, args.out, progress=False, num_threads=args.num_threads
+                    model, args.out, progress=False, num_threads=args.num_threads,
+                    durable=which == "ours_durable",
                 )
             else:
                 model.save_to_preset(args.out)
@@ -321,6 +342,8 @@ def _case_save(args, which: str) -> dict:
         "device_ratio_per_device": device_ratios,
         "device_peak": max(device_ratios.values()) if device_ratios else float("nan"),
         "compiled_programs": [c["name"] for c in sampler.compiled],
+        "fsync_s": fsyncs["s"],
+        "fsync_calls": fsyncs["calls"],
         **_output_report(args.out),
     }
     if args.check:
@@ -329,8 +352,8 @@ def _case_save(args, which: str) -> dict:
 
 
 def run_case(args) -> None:
-    if args.case == "floor":
-        result = _case_floor(args)
+    if args.case.startswith("floor"):
+        result = _case_floor(args, durable=args.case == "floor_durable")
     else:
         result = _case_save(args, args.case)
     sys.stdout.write(RESULT_TAG + json.dumps(result) + "\n")
@@ -358,10 +381,13 @@ def _remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
         os.remove(path)
-    # A save stopped half-way leaves its staging directory beside the target.
+    # A save stopped half-way leaves its staging directory (and its owner
+    # record) beside the target.
     parent, base = os.path.split(path)
     for partial in glob.glob(os.path.join(parent, f".{base}.partial-*")):
         shutil.rmtree(partial, ignore_errors=True)
+    for record in glob.glob(os.path.join(parent, f".{base}.owner-*.json")):
+        os.remove(record)
 
 
 def _model_bytes(preset: str) -> int:
@@ -386,13 +412,13 @@ def _summarize(results: list[tuple[str, dict]]) -> tuple[str, list[str]]:
     def wall(name):
         return _median([r["wall_s"] for r in good(name)])
 
-    stock, floor = wall("stock"), wall("floor")
+    stock, floor, ours_wall = wall("stock"), wall("floor"), wall("ours")
     rows = [
         "| case | time s (median; all) | time / stock | time / floor "
         "| host anon growth / model bytes (max) | device peak / before (max) | notes |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name in ("ours", "stock", "floor"):
+    for name in ("ours", "ours_durable", "stock", "floor", "floor_durable"):
         runs = by_case.get(name, [])
         if not runs:
             rows.append(f"| {name} | not run | - | - | - | - | - |")
@@ -406,10 +432,11 @@ def _summarize(results: list[tuple[str, dict]]) -> tuple[str, list[str]]:
             continue
         walls = "; ".join(f"{r['wall_s']:.2f}" for r in ok)
         cpu = _median([r["cpu_s"] for r in ok])
-        if name == "floor":
+        if name.startswith("floor"):
+            label = "sequential write, 64 MiB buffer" + (", fsync" if name == "floor_durable" else "")
             rows.append(
-                f"| floor (sequential write, 64 MiB buffer) | {wall(name):.2f} ({walls}) "
-                f"| {_ratio(wall(name), stock)} | 1.00 | - | - "
+                f"| {name} ({label}) | {wall(name):.2f} ({walls}) "
+                f"| {_ratio(wall(name), stock)} | {_ratio(wall(name), floor)} | - | - "
                 f"| {ok[0]['out_bytes'] / 1e9:.2f} GB written; CPU {cpu:.2f} s |"
             )
             continue
@@ -428,6 +455,11 @@ def _summarize(results: list[tuple[str, dict]]) -> tuple[str, list[str]]:
         ]
         if any(r["out_missing"] for r in ok):
             notes.append(f"MISSING {last['out_missing']}")
+        if name == "ours_durable":
+            fsync_s = "; ".join(f"{r['fsync_s']:.2f}" for r in ok)
+            notes.insert(0, f"time / ours {_ratio(wall(name), ours_wall)}, time / floor_durable "
+                         f"{_ratio(wall(name), wall('floor_durable'))}; in fsync {fsync_s} s "
+                         f"({last['fsync_calls']} calls)")
         if last["compiled_programs"]:
             notes.append(f"{len(last['compiled_programs'])} XLA programs compiled")
         if "check_ok" in last:
@@ -475,7 +507,8 @@ def main() -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="width1")
     parser.add_argument("--workdir", default="/tmp/bench_save")
     parser.add_argument(
-        "--cases", default="floor,ours,stock,floor,ours,stock",
+        "--cases",
+        default="floor,floor_durable,ours,ours_durable,stock,floor,floor_durable,ours,ours_durable,stock",
         help="cases in run order (repeats: times are medians, memory ratios maxima)",
     )
     parser.add_argument("--stock_cap_gb", type=float, default=0.0,
@@ -509,7 +542,9 @@ def main() -> None:
     args.preset = os.path.join(args.workdir, f"bench_save_{args.config}{suffix}_source")
     outputs = {
         "floor": os.path.join(args.workdir, "bench_save_floor.bin"),
+        "floor_durable": os.path.join(args.workdir, "bench_save_floor_durable.bin"),
         "ours": os.path.join(args.workdir, "bench_save_ours"),
+        "ours_durable": os.path.join(args.workdir, "bench_save_ours_durable"),
         "stock": os.path.join(args.workdir, "bench_save_stock"),
     }
     cases = args.cases.split(",")
@@ -547,7 +582,7 @@ def main() -> None:
             print(f"{case}: {json.dumps(brief)}", flush=True)
             if result.get("check_problems"):
                 print(f"  check problems: {result['check_problems']}", flush=True)
-            if not (args.keep and case != "floor"):
+            if not (args.keep and not case.startswith("floor")):
                 _remove(outputs[case])
             os.sync()  # the next case starts with no dirty pages of this one
         print()

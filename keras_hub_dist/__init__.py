@@ -45,7 +45,10 @@ from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
 from keras_hub_dist.errors import UnconvertedWeightsWarning  # noqa: E402
 from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
 from keras_hub_dist.errors import PresetError  # noqa: E402
+from keras_hub_dist.errors import QuantizationError  # noqa: E402
 from keras_hub_dist.errors import SaveError  # noqa: E402
+from keras_hub_dist.errors import RemoteDownloadWarning  # noqa: E402
+from keras_hub_dist.errors import StaleStagingWarning  # noqa: E402
 from keras_hub_dist.errors import UnknownPresetError  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedGlorotNormal  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedGlorotUniform  # noqa: E402
@@ -58,11 +61,12 @@ from keras_hub_dist.init.initializers import DistributedRandomUniform  # noqa: E
 from keras_hub_dist.init.initializers import DistributedTruncatedNormal  # noqa: E402
 from keras_hub_dist.init.initializers import DistributedVarianceScaling  # noqa: E402
 from keras_hub_dist.plan.layouts import get_layout_map  # noqa: E402
+from keras_hub_dist.plan.quantized_layouts import QuantizationAwareModelParallel  # noqa: E402
 from keras_hub_dist.load.loader import LoadReport  # noqa: E402
 from keras_hub_dist.load.loader import load_sharded_preset  # noqa: E402
 from keras_hub_dist.save.api import save_sharded_preset  # noqa: E402
-from keras_hub_dist.save.convert import convert_checkpoint  # noqa: E402
-from keras_hub_dist.validate.memory import MemorySampler  # noqa: E402
+from keras_hub_dist.validate.convert import convert_checkpoint  # noqa: E402
+from keras_hub_dist.measure.memory import MemorySampler  # noqa: E402
 from keras_hub_dist.plan.auto_layout import LayoutPlan  # noqa: E402
 from keras_hub_dist.plan.auto_layout import plan_layout  # noqa: E402
 from keras_hub_dist.formats.synthetic import write_synthetic_preset  # noqa: E402
@@ -90,7 +94,11 @@ __all__ = [
     "MemorySampler",
     "MissingLayoutWarning",
     "PresetError",
+    "QuantizationAwareModelParallel",
+    "QuantizationError",
     "SaveError",
+    "RemoteDownloadWarning",
+    "StaleStagingWarning",
     "UnknownPresetError",
     "abstract_backbone",
     "convert_checkpoint",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,12 +17,17 @@ import keras
 
 __all__ = [
     "builtin_preset_names",
+    "CAN_WATCH_COMPILATIONS",
+    "CAN_WATCH_EXECUTIONS",
+    "computation_name",
     "compute_fans",
     "context_mesh",
     "creating_variables_without_values",
     "deferred_variables",
     "distribution_layout_map",
     "draw_seed",
+    "einsum_reduction",
+    "executed_program",
     "forget_deferred_variables",
     "H5IOStore",
     "host_array",
@@ -37,18 +41,22 @@ __all__ = [
     "preset_file",
     "preset_has_file",
     "preset_file_names",
+    "leaf_layers",
+    "own_dtype_policies",
+    "quantization_modes",
+    "quantize_layer_structure",
     "require_jax_backend",
     "save_preset_config",
     "save_preset_metadata",
     "safetensor_loader_class",
     "set_pending_initializer",
+    "swap_compile_function",
+    "swap_execute_method",
     "transformers_converter",
     "unfilled_weights_store",
     "variable_array",
     "variables_size_in_bytes",
     "walk_saved_variables",
-    "watch_compilations",
-    "watch_executions",
 ]
 
 
@@ -107,8 +115,12 @@ def distribution_layout_map(distribution) -> "keras.distribution.LayoutMap | Non
 
 
 # Every XLA program JAX compiles (jit, eager ops, `lower().compile()`) goes
-# through this private function; the memory sampler wraps it to see compiled
-# programs' temp buffers, which never appear in `jax.live_arrays()`.
+# through this private function, and a jitted program's first run with new
+# arguments (and every run of a fresh jit object) through this private
+# class's `__call__` before JAX's C++ fast path takes over. The memory
+# sampler wraps both (`keras_hub_dist.measure.program_watch` keeps the
+# listeners) to see compiled programs' temp buffers, which never appear in
+# `jax.live_arrays()`, and when they exist.
 try:
     from jax._src import compiler as _jax_compiler
 
@@ -119,69 +131,6 @@ except ImportError:  # pragma: no cover - JAX moved the module
     _jax_compiler = None
     CAN_WATCH_COMPILATIONS = False
 
-_compile_listeners: list[Callable[[Any, str], None]] = []
-_compile_lock = threading.Lock()
-_original_compile_or_get_cached = None
-
-
-def _module_name(computation: Any) -> str:
-    try:
-        from jax._src.lib.mlir import ir
-
-        attr = computation.operation.attributes["sym_name"]
-        return ir.StringAttr(attr).value
-    except Exception:  # noqa: BLE001 - a name is only a label
-        return "?"
-
-
-def _watching_compile_or_get_cached(backend, computation, *args, **kwargs):
-    executable = _original_compile_or_get_cached(
-        backend, computation, *args, **kwargs
-    )
-    name = _module_name(computation)
-    for listener in list(_compile_listeners):
-        try:
-            listener(executable, name)
-        except Exception:  # noqa: BLE001 - never break a user's compile
-            pass
-    return executable
-
-
-@contextlib.contextmanager
-def watch_compilations(
-    callback: Callable[[Any, str], None],
-) -> Iterator[bool]:
-    """Calls `callback(loaded_executable, module_name)` per XLA compilation.
-
-    Yields `False` (and calls nothing) where this JAX version has no hook.
-    The patch is process-wide and removed when the last watcher exits.
-    """
-    global _original_compile_or_get_cached
-    if not CAN_WATCH_COMPILATIONS:
-        yield False
-        return
-    with _compile_lock:
-        if not _compile_listeners:
-            _original_compile_or_get_cached = _jax_compiler.compile_or_get_cached
-            _jax_compiler.compile_or_get_cached = _watching_compile_or_get_cached
-        _compile_listeners.append(callback)
-    try:
-        yield True
-    finally:
-        with _compile_lock:
-            _compile_listeners.remove(callback)
-            if not _compile_listeners:
-                _jax_compiler.compile_or_get_cached = (
-                    _original_compile_or_get_cached
-                )
-                _original_compile_or_get_cached = None
-
-
-# A jitted program's first run with new arguments (and every run of a fresh
-# jit object, even of an already compiled program) goes through this Python
-# class before JAX's C++ fast path takes over; the memory sampler wraps it to
-# learn when a program's temp buffers exist: from its run until its outputs
-# are ready.
 try:
     from jax._src.interpreters import pxla as _jax_pxla
 
@@ -192,45 +141,37 @@ except ImportError:  # pragma: no cover - JAX moved the module
     _jax_pxla = None
     CAN_WATCH_EXECUTIONS = False
 
-_execute_listeners: list[Callable[[Any, Any], None]] = []
-_original_execute_call = None
+
+def swap_compile_function(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Installs `function` as JAX's `compile_or_get_cached(backend,
+    computation, ...)`, returning the one it replaces."""
+    previous = _jax_compiler.compile_or_get_cached
+    _jax_compiler.compile_or_get_cached = function
+    return previous
 
 
-def _watching_execute_call(self, *args):
-    out = _original_execute_call(self, *args)
-    for listener in list(_execute_listeners):
-        try:
-            listener(self.xla_executable, out)
-        except Exception:  # noqa: BLE001 - never break a user's program
-            pass
-    return out
+def swap_execute_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Installs `method` as JAX's `ExecuteReplicated.__call__(self, *args)`,
+    returning the one it replaces."""
+    previous = _jax_pxla.ExecuteReplicated.__call__
+    _jax_pxla.ExecuteReplicated.__call__ = method
+    return previous
 
 
-@contextlib.contextmanager
-def watch_executions(callback: Callable[[Any, Any], None]) -> Iterator[bool]:
-    """Calls `callback(loaded_executable, outputs)` per Python-path execution.
+def executed_program(execute_replicated: Any) -> Any:
+    """The loaded XLA executable an `ExecuteReplicated` runs."""
+    return execute_replicated.xla_executable
 
-    Runs through JAX's C++ fast path (the same jit object called again with
-    the same argument types) are not seen. Yields `False` where this JAX
-    version has no hook. Process-wide; removed when the last watcher exits.
-    """
-    global _original_execute_call
-    if not CAN_WATCH_EXECUTIONS:
-        yield False
-        return
-    with _compile_lock:
-        if not _execute_listeners:
-            _original_execute_call = _jax_pxla.ExecuteReplicated.__call__
-            _jax_pxla.ExecuteReplicated.__call__ = _watching_execute_call
-        _execute_listeners.append(callback)
+
+def computation_name(computation: Any) -> str:
+    """The MLIR module name of a computation being compiled (`"?"` if none)."""
     try:
-        yield True
-    finally:
-        with _compile_lock:
-            _execute_listeners.remove(callback)
-            if not _execute_listeners:
-                _jax_pxla.ExecuteReplicated.__call__ = _original_execute_call
-                _original_execute_call = None
+        from jax._src.lib.mlir import ir
+
+        attr = computation.operation.attributes["sym_name"]
+        return ir.StringAttr(attr).value
+    except Exception:  # noqa: BLE001 - a name is only a label
+        return "?"
 
 
 # Variables created inside a `keras.StatelessScope` get no value: Keras keeps
@@ -567,3 +508,54 @@ def replaced_module_global(function: Any, name: str, value: Any) -> Iterator[Non
             del namespace[name]
         else:
             namespace[name] = original
+
+
+# --- Quantization (`quantize="int8" | "int4"`) -------------------------------
+# `Layer.quantize` computes values and builds the quantized variables at once;
+# the structure alone (no float value allocated) replays its private steps.
+from keras.src.quantizers import quantization_config as _quantization_config  # noqa: E402
+
+
+def quantization_modes() -> tuple[str, ...]:
+    """The quantization modes this Keras knows (`Layer.quantize` checks)."""
+    return tuple(_quantization_config.QUANTIZATION_MODES)
+
+
+def leaf_layers(model: Any) -> list[Any]:
+    """The layers `Model.quantize` visits: every layer without sublayers."""
+    return [l for l in model._flatten_layers() if len(list(l._flatten_layers())) == 1]
+
+
+def einsum_reduction(layer: Any) -> dict[str, tuple[int, ...]]:
+    """An `EinsumDense`'s kernel reduction analysis (set as `quantize` does)."""
+    layer._set_quantization_info()
+    return {n: tuple(getattr(layer, f"_kernel_{n}_axes")) for n in ("reduced", "transpose", "expand", "squeeze")}
+
+
+def own_dtype_policies(model: Any) -> None:
+    """Gives each layer built with a quantized `DTypePolicyMap` entry that policy
+    as its own, as `quantize` does (saving reads the map's mode: None)."""
+    for layer in model._flatten_layers():
+        if isinstance(layer._dtype_policy, keras.dtype_policies.DTypePolicyMap) and layer.quantization_mode:
+            layer._dtype_policy = layer._dtype_policy[layer.path]
+
+
+def quantize_layer_structure(layer: Any, mode: str, float_shape: tuple[int, ...]) -> Any:
+    """`layer.quantize(mode)` without values: Keras's checks, float variables
+    untracked (no `gc.collect()` as `del` runs), `quantized_build`, policy."""
+    config = _quantization_config.validate_and_resolve_config(mode, None)
+    layer._check_quantize_args(config.mode, layer.compute_dtype)
+    names = ["_embeddings" if hasattr(layer, "_embeddings") else "_kernel"]
+    names += ["reverse_embeddings"] if getattr(layer, "reverse_embeddings", None) is not None else []
+    layer._tracker.unlock()
+    try:
+        layer.quantization_config = config
+        for name in names:
+            layer._untrack_variable(getattr(layer, name))
+            object.__delattr__(layer, name)
+        layer.quantized_build(float_shape, config.mode, config)
+        policy = mode if mode != "int4" else f"int4/{config.block_size or -1}"
+        layer.dtype_policy = keras.dtype_policies.get(f"{policy}_from_{layer.dtype_policy.name}")
+    finally:
+        layer._tracker.lock()
+    return config

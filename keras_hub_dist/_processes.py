@@ -29,7 +29,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-__all__ = ["broadcast_string", "check_all", "gather_strings", "sum_over_processes"]
+__all__ = [
+    "broadcast_string",
+    "check_all",
+    "gather_strings",
+    "max_over_processes",
+    "sum_over_processes",
+]
 
 # A gathered string is cut to this many UTF-8 bytes (error messages, paths).
 _MAX_STRING_BYTES = 8192
@@ -90,3 +96,10 @@ def check_all(error: str | None, error_class: type[Exception], context: str) -> 
         f"{context} on {len(failed)} of {len(errors)} processes: "
         + " | ".join(f"process {i}: {e}" for i, e in failed)
     )
+
+
+def max_over_processes(values: np.ndarray) -> np.ndarray:
+    """Element-wise maximum of every process's `values` (same shape, dtype)."""
+    if jax.process_count() == 1:
+        return values
+    return _allgather(values).max(axis=0)

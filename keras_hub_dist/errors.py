@@ -44,6 +44,26 @@ class UnconvertedWeightsWarning(KerasHubDistWarning):
 __all__.append("UnconvertedWeightsWarning")
 
 
+class RemoteDownloadWarning(KerasHubDistWarning):
+    """A preset is fetched by KerasHub's own downloader (a `kaggle://` handle
+    or a KerasHub preset name): every host downloads whole weight files into
+    its cache before loading, instead of reading only its share."""
+
+
+__all__.append("RemoteDownloadWarning")
+
+
+class StaleStagingWarning(KerasHubDistWarning):
+    """`save_sharded_preset` found what earlier saves to the same target,
+    killed before they finished, left beside it: it names every staging
+    directory it removed (its save provably dead), restored (the only copy
+    of the replaced preset) or left alone (its save may still run, e.g. on
+    another host)."""
+
+
+__all__.append("StaleStagingWarning")
+
+
 class LayoutError(ValueError):
     """A layout does not fit a variable (axis names, rank or divisibility)."""
 
@@ -74,3 +94,12 @@ class SaveError(ValueError):
 
 
 __all__.append("SaveError")
+
+
+class QuantizationError(ValueError):
+    """`quantize=` cannot be applied as asked: an unknown mode, a mode this
+    Keras lacks, a dtype the mode cannot take, or a layer whose quantization
+    cannot be replayed without values."""
+
+
+__all__.append("QuantizationError")

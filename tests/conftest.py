@@ -128,7 +128,7 @@ def clean_state():
     @contextlib.contextmanager
     def check():
         from keras_hub_dist import _compat
-        from keras_hub_dist.validate import memory
+        from keras_hub_dist.measure import memory
 
         gc.collect()
         baseline = sum(memory.live_bytes_per_device().values())

@@ -16,13 +16,19 @@ TIME_LIMIT_S = 240
 UNSUPPORTED = 77
 
 
+def simulate_cpu_devices(local_devices):
+    """In a worker, before anything imports JAX: `local_devices` simulated
+    CPU devices and the JAX backend of Keras."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def join_job(process_id, num_processes, port, local_devices):
     """In a worker, before anything imports JAX: simulate `local_devices` CPU
     devices and join the job over loopback (gloo). Exits with `UNSUPPORTED`
     when the platform cannot run a multi-process JAX job."""
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
-    os.environ["KERAS_BACKEND"] = "jax"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    simulate_cpu_devices(local_devices)
     import jax
 
     try:

@@ -1,11 +1,43 @@
-"""The package's shape: no import cycles, no module over 600 lines, private
-Keras/JAX names only in `_compat.py`."""
+"""The package's shape: imports run one way (no two modules import each other,
+and every import goes down the order of rooms below), no module over 600
+lines, private Keras/JAX names only in `_compat.py`, which keeps no state.
+
+Every import counts: at module level, inside a function, under
+`TYPE_CHECKING`, absolute or relative.
+"""
 
 import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_hub_dist"
 MAX_LINES = 600
+
+# The order of the rooms, bottom to top: a module imports modules of its own
+# room or of rooms ranked lower, never higher. A room is a subpackage
+# (`plan`, ...) or a module at the package root.
+RANKS = {
+    # Private helpers: exceptions and warnings, then the private Keras/JAX
+    # names, progress bars and what the processes of a job agree on.
+    "errors": 0,
+    "_compat": 1,
+    "_progress": 1,
+    "_processes": 1,
+    # Memory measurement, which the loader (memory_report) and validate use.
+    "measure": 2,
+    # The phases: plan -> formats -> init / load / save -> validate.
+    "plan": 3,
+    "formats": 4,
+    "init": 5,
+    "load": 5,
+    "save": 5,
+    "validate": 6,
+    # Public names re-exported from their homes, then the package itself.
+    "initializers": 7,
+    "memory": 7,
+    "presets": 7,
+    "registry": 7,
+    "": 8,
+}
 
 
 def _modules():
@@ -16,18 +48,74 @@ def _modules():
         yield ".".join(parts), path
 
 
-def _imports(name, path):
-    """Modules of this package imported at module level (not in functions)."""
-    tree = ast.parse(path.read_text())
+def _is_module(dotted):
+    base = PACKAGE.parent / dotted.replace(".", "/")
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def _imports_in(name, source, is_package=False):
+    """Modules of this package that `source` (module `name`) imports, in any
+    form: every `import` / `from` node of the tree, wherever it is."""
     found = set()
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("keras_hub_dist"):
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "keras_hub_dist")
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                module = ".".join(package + ([module] if module else []))
+            if module.split(".")[0] != "keras_hub_dist":
+                continue
             for alias in node.names:
-                candidate = f"{node.module}.{alias.name}"
-                found.add(candidate if (PACKAGE.parent / candidate.replace(".", "/")).with_suffix(".py").exists() else node.module)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("keras_hub_dist."))
-    return {m for m in found if m != name}
+                candidate = f"{module}.{alias.name}"
+                found.add(candidate if _is_module(candidate) else module)
+    return found - {name}
+
+
+def _graph():
+    return {
+        name: _imports_in(name, path.read_text(), path.name == "__init__.py")
+        for name, path in _modules()
+    }
+
+
+def _room(module):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_import_walk_sees_every_form():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import keras_hub_dist.errors\n"
+        "from keras_hub_dist.plan import mesh\n"
+        "from keras_hub_dist.plan.specs import shard_shape\n"
+        "from . import host_io\n"
+        "from .base import ByteRuns\n"
+        "from .. import _progress\n"
+        "if TYPE_CHECKING:\n"
+        "    from keras_hub_dist.load.loader import LoadReport\n"
+        "def f():\n"
+        "    import keras_hub_dist\n"
+        "    from keras_hub_dist.validate import memory_not_a_module\n"
+        "class C:\n"
+        "    def g(self):\n"
+        "        from keras_hub_dist.init import initializers\n"
+    )
+    assert _imports_in("keras_hub_dist.formats.keras_h5", source) == {
+        "keras_hub_dist.errors",
+        "keras_hub_dist.plan.mesh",
+        "keras_hub_dist.plan.specs",
+        "keras_hub_dist.formats.host_io",
+        "keras_hub_dist.formats.base",
+        "keras_hub_dist._progress",
+        "keras_hub_dist.load.loader",
+        "keras_hub_dist",
+        "keras_hub_dist.validate",
+        "keras_hub_dist.init.initializers",
+    }
 
 
 def test_no_module_over_600_lines():
@@ -35,16 +123,35 @@ def test_no_module_over_600_lines():
     assert not long, long
 
 
+def test_every_room_has_a_rank():
+    rooms = {_room(name) for name, _ in _modules()}
+    assert rooms == set(RANKS), (
+        f"rooms without a rank: {sorted(rooms - set(RANKS))}; "
+        f"ranks of rooms that are gone: {sorted(set(RANKS) - rooms)}"
+    )
+
+
+def test_imports_only_go_down_the_order_of_rooms():
+    upward = [
+        f"{name} (rank {RANKS[_room(name)]}) imports {dep} (rank {RANKS[_room(dep)]})"
+        for name, deps in _graph().items()
+        for dep in sorted(deps)
+        if _room(dep) != _room(name) and RANKS[_room(dep)] >= RANKS[_room(name)]
+    ]
+    assert not upward, "\n".join(upward)
+
+
 def test_no_import_cycles():
-    graph = {name: _imports(name, path) for name, path in _modules()}
-    # The package root re-exports everything; cycles through it are imports
-    # of submodules by name, not design cycles.
-    graph = {n: {m for m in deps if m != "keras_hub_dist"} for n, deps in graph.items()}
+    graph = _graph()
+    mutual = sorted(
+        f"{a} <-> {b}" for a, deps in graph.items() for b in deps if a < b and a in graph.get(b, ())
+    )
+    assert not mutual, mutual
     state = {}
 
     def visit(node, stack):
         state[node] = "open"
-        for dep in graph.get(node, ()):
+        for dep in sorted(graph.get(node, ())):
             if state.get(dep) == "open":
                 raise AssertionError("import cycle: " + " -> ".join(stack + [node, dep]))
             if dep not in state:
@@ -66,4 +173,22 @@ def test_private_keras_and_jax_names_only_in_compat():
                 node.module.startswith(("keras.src", "jax._src", "keras_hub.src"))
             ):
                 offenders.append(f"{name}: from {node.module}")
+            elif isinstance(node, ast.Import):
+                offenders.extend(
+                    f"{name}: import {a.name}" for a in node.names
+                    if a.name.startswith(("keras.src", "jax._src", "keras_hub.src"))
+                )
     assert not offenders, offenders
+
+
+def test_compat_keeps_no_state():
+    """`_compat.py` holds private imports and thin wrappers: no module-level
+    bookkeeping (`global` rebinding, locks); that lives with its users."""
+    tree = ast.parse((PACKAGE / "_compat.py").read_text())
+    globals_ = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    threads = [
+        n.lineno for n in ast.walk(tree)
+        if (isinstance(n, ast.Import) and any(a.name == "threading" for a in n.names))
+        or (isinstance(n, ast.ImportFrom) and n.module == "threading")
+    ]
+    assert not globals_ and not threads, (globals_, threads)

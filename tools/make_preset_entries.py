@@ -2,7 +2,8 @@
 
 Gemma 4, Qwen 3.5 (dense and MoE), Qwen 3 MoE, Mixtral, gpt-oss and the
 Llama 3.2 presets missing so far. No network: the Hugging Face `config.json`
-fields of each checkpoint are transcribed below (each with its source), turned
+fields of each checkpoint are transcribed in `make_preset_entries_configs.json`
+beside this script (each with its source), turned
 into KerasHub backbone arguments by KerasHub's own converter
 (`keras_hub/src/utils/transformers/convert_<family>.py`,
 `convert_backbone_config`, exactly as `Backbone.from_preset("hf://...")` does
@@ -48,109 +49,21 @@ CONVERTED = (
 )
 
 # ---------------------------------------------------------------------------
-# Hugging Face configs (only the fields KerasHub's converters read).
+# Hugging Face configs (only the fields KerasHub's converters read): the
+# published config.json values, each with its source, are data beside this
+# script.
 # ---------------------------------------------------------------------------
 
-# Gemma 4. Source: huggingface/transformers
-# src/transformers/models/gemma4/convert_gemma4_weights.py (`_VARIANTS`, the
-# configs Google's checkpoints were converted with) with the defaults of
-# configuration_gemma4.py (Gemma4TextConfig / Gemma4VisionConfig /
-# Gemma4AudioConfig); the same values, spelled out as config.json dicts, are in
-# AI-Hypercomputer/maxtext
-# src/maxtext/checkpoint_conversion/utils/hf_model_configs.py
-# (gemma4_{e2b,e4b,26b,31b}_dict, which leave the audio tower out).
-_GEMMA4_ROPE = {
-    "full_attention": {
-        "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0,
-        "rope_type": "proportional",
-    },
-    "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
-}
-_GEMMA4_ON_DEVICE_VISION = {
-    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 16,
-    "num_attention_heads": 12, "num_key_value_heads": 12, "head_dim": 64,
-    "patch_size": 16, "pooling_kernel_size": 3, "position_embedding_size": 10240,
-    "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 100.0},
-    "standardize": False, "use_clipped_linears": True,
-}
-_GEMMA4_LARGE_VISION = {
-    "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 72,
-    "patch_size": 16, "pooling_kernel_size": 3, "position_embedding_size": 10240,
-    "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 100.0},
-    "standardize": True, "use_clipped_linears": False,
-}
-_GEMMA4_AUDIO = {  # Gemma4AudioConfig() defaults, used by E2B and E4B.
-    "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 8,
-    "subsampling_conv_channels": [128, 32], "conv_kernel_size": 5,
-    "residual_weight": 0.5, "attention_chunk_size": 12,
-    "attention_context_left": 13, "attention_context_right": 0,
-    "attention_logit_cap": 50.0, "attention_invalid_logits_value": -1e9,
-    "rms_norm_eps": 1e-06, "gradient_clipping": 1e10, "output_proj_dims": 1536,
-}
-_SLIDING5_FULL1 = ["sliding_attention"] * 5 + ["full_attention"]
+CONFIG_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_preset_entries_configs.json")
+with open(CONFIG_TABLES, encoding="utf-8") as _f:
+    _TABLES = json.load(_f)
+HF = {name: table["config"] for name, table in _TABLES["configs"].items()}
 
 
 def _gemma4_text(**overrides):
-    text = {
-        "vocab_size": 262144, "head_dim": 256, "global_head_dim": 512,
-        "rms_norm_eps": 1e-06, "sliding_window": 512,
-        "final_logit_softcapping": 30.0, "rope_parameters": _GEMMA4_ROPE,
-        "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
-        "num_kv_shared_layers": 0, "num_global_key_value_heads": None,
-        "use_bidirectional_attention": None, "use_double_wide_mlp": False,
-        "enable_moe_block": False,
-    }
+    text = copy.deepcopy(_TABLES["gemma4_text_defaults"])
     text.update(overrides)
     return text
-
-
-GEMMA4_E2B = {
-    "model_type": "gemma4",
-    "text_config": _gemma4_text(
-        hidden_size=1536, intermediate_size=6144, num_hidden_layers=35,
-        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
-        num_attention_heads=8, num_key_value_heads=1, num_kv_shared_layers=20,
-        use_double_wide_mlp=True,
-    ),
-    "vision_config": _GEMMA4_ON_DEVICE_VISION,
-    "audio_config": _GEMMA4_AUDIO,
-}
-GEMMA4_E4B = {
-    "model_type": "gemma4",
-    "text_config": _gemma4_text(
-        hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
-        layer_types=_SLIDING5_FULL1 * 7, num_attention_heads=8,
-        num_key_value_heads=2, num_kv_shared_layers=18,
-    ),
-    "vision_config": _GEMMA4_ON_DEVICE_VISION,
-    "audio_config": _GEMMA4_AUDIO,
-}
-GEMMA4_26B_A4B = {
-    "model_type": "gemma4",
-    "text_config": _gemma4_text(
-        hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
-        layer_types=_SLIDING5_FULL1 * 5, num_attention_heads=16,
-        num_key_value_heads=8, num_global_key_value_heads=2,
-        hidden_size_per_layer_input=0, use_bidirectional_attention="vision",
-        sliding_window=1024, enable_moe_block=True, num_experts=128,
-        moe_intermediate_size=704, top_k_experts=8,
-    ),
-    "vision_config": _GEMMA4_LARGE_VISION,
-    "audio_config": None,
-}
-GEMMA4_31B = {
-    "model_type": "gemma4",
-    "text_config": _gemma4_text(
-        hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
-        layer_types=_SLIDING5_FULL1 * 10, num_attention_heads=32,
-        num_key_value_heads=16, num_global_key_value_heads=4,
-        hidden_size_per_layer_input=0, use_bidirectional_attention="vision",
-        sliding_window=1024,
-    ),
-    "vision_config": _GEMMA4_LARGE_VISION,
-    "audio_config": None,
-}
 
 
 def _gemma4_assistant(target, hidden, heads, intermediate):
@@ -176,145 +89,6 @@ def _gemma4_assistant(target, hidden, heads, intermediate):
         ),
     }
 
-
-# Qwen 3.5 (dense). Text geometry: THUDM/slime scripts/models/qwen3.5-0.8B.sh,
-# qwen3.5-4B.sh, qwen3.5-9B.sh, qwen3.5-27B.sh (Megatron args mirroring the
-# Hugging Face configs: layers, hidden, FFN, heads, KV heads, head_dim 256,
-# rotary base 1e7, rotary fraction 0.25, eps 1e-6, tied/untied embeddings);
-# shared fields (M-RoPE sections [11, 11, 10], Gated DeltaNet key/value head
-# dim 128, conv kernel 4, 16 key heads, a full-attention layer every 4th) and
-# the 27-block vision tower as in the Qwen3.5-35B-A3B config.json copied in
-# AI-Hypercomputer/maxtext src/maxtext/checkpoint_conversion/utils/
-# hf_model_configs.py (qwen3_5_35b_a3b_dict). Qwen3.5-2B (hidden 2048, 24
-# layers, FFN 6144, 8/2 heads), the DeltaNet value-head counts (16 / 16 / 32 /
-# 32 / 48) and the vision towers (12 x 768 for 0.8B, 24 x 1024 for 2B and 4B,
-# 27 x 1152 for 9B and 27B) are the Hugging Face model cards' / configs'
-# values; each whole config reproduces KerasHub's exact published count.
-_QWEN3_5_VISION = {
-    "small": {"depth": 12, "hidden_size": 768, "intermediate_size": 3072, "num_heads": 12},
-    "medium": {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16},
-    "large": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16},
-}
-
-
-def _qwen3_5(hidden, ffn, layers, heads, kv, value_heads, tie, vision):
-    vision_config = dict(
-        _QWEN3_5_VISION[vision], in_channels=3, patch_size=16,
-        temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=hidden,
-        num_position_embeddings=2304,
-    )
-    return {
-        "model_type": "qwen3_5",
-        "tie_word_embeddings": tie,
-        "text_config": {
-            "vocab_size": 248320, "hidden_size": hidden,
-            "intermediate_size": ffn, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv,
-            "head_dim": 256, "rms_norm_eps": 1e-06,
-            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-            "linear_num_key_heads": 16, "linear_num_value_heads": value_heads,
-            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-            "linear_conv_kernel_dim": 4,
-            "rope_parameters": {
-                "mrope_interleaved": True, "mrope_section": [11, 11, 10],
-                "rope_type": "default", "rope_theta": 10000000,
-                "partial_rotary_factor": 0.25,
-            },
-        },
-        "vision_config": vision_config,
-    }
-
-
-QWEN3_5_0_8B = _qwen3_5(1024, 3584, 24, 8, 2, 16, True, "small")
-QWEN3_5_2B = _qwen3_5(2048, 6144, 24, 8, 2, 16, True, "medium")
-QWEN3_5_4B = _qwen3_5(2560, 9216, 32, 16, 4, 32, True, "medium")
-QWEN3_5_9B = _qwen3_5(4096, 12288, 32, 16, 4, 32, False, "large")
-QWEN3_5_27B = _qwen3_5(5120, 17408, 64, 24, 4, 48, False, "large")
-
-# Qwen 3.5 MoE: the Qwen/Qwen3.5-35B-A3B config.json as copied in
-# AI-Hypercomputer/maxtext src/maxtext/checkpoint_conversion/utils/
-# hf_model_configs.py (qwen3_5_35b_a3b_dict); THUDM/slime
-# scripts/models/qwen3.5-35B-A3B.sh agrees.
-QWEN3_5_35B_A3B = {
-    "model_type": "qwen3_5_moe",
-    "tie_word_embeddings": False,
-    "text_config": {
-        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
-        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
-        "rms_norm_eps": 1e-06,
-        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512, "num_experts": 256,
-        "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001,
-        "rope_parameters": {
-            "mrope_interleaved": True, "mrope_section": [11, 11, 10],
-            "rope_type": "default", "rope_theta": 10000000,
-            "partial_rotary_factor": 0.25,
-        },
-    },
-    "vision_config": {
-        "depth": 27, "hidden_size": 1152, "in_channels": 3,
-        "intermediate_size": 4304, "num_heads": 16,
-        "num_position_embeddings": 2304, "out_hidden_size": 2048,
-        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-    },
-}
-QWEN_AGENT_WORLD_35B_A3B = dict(copy.deepcopy(QWEN3_5_35B_A3B), language_model_only=True)
-
-# Qwen 3 MoE. Qwen3-30B-A3B: AI-Hypercomputer/maxtext hf_model_configs.py
-# (qwen3_30b_a3b_base_config, "Matches Qwen/Qwen3-30B-A3B-Base") and THUDM/slime
-# scripts/models/qwen3-30B-A3B.sh (rotary base 1e6). Qwen3-235B-A22B: THUDM/slime
-# scripts/models/qwen3-235B-A22B.sh (94 layers, hidden 4096, 64/4 heads, head
-# dim 128, expert FFN 1536, 128 experts, top-8, rotary base 1e6) with the other
-# fields of maxtext's qwen3_235b_a22b_thinking_2507_config (whose rope_theta,
-# 5e6, is the 2507 refresh's). Qwen3-Coder-30B-A3B-Instruct: the config.json
-# copied in ztxz16/fastllm Qwen3-Coder-30B-A3B-Instruct/config.json.
-QWEN3_MOE_30B_A3B = {
-    "vocab_size": 151936, "hidden_size": 2048, "head_dim": 128,
-    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
-    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
-    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
-    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": None,
-    "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
-}
-QWEN3_MOE_235B_A22B = dict(
-    QWEN3_MOE_30B_A3B, hidden_size=4096, num_hidden_layers=94,
-    num_attention_heads=64, intermediate_size=12288, moe_intermediate_size=1536,
-)
-QWEN3_CODER_30B_A3B = dict(
-    QWEN3_MOE_30B_A3B, intermediate_size=5472, rope_theta=10000000,
-    router_aux_loss_coef=0.0,
-)
-
-# Mixtral: the mistralai/Mixtral-8x7B-Instruct-v0.1 config.json copied in
-# AI-Hypercomputer/maxtext hf_model_configs.py (mixtral_8x7b_dict); the base
-# v0.1 checkpoint has the same architecture (KerasHub publishes the same count).
-MIXTRAL_8X7B = {
-    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-05,
-    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
-    "sliding_window": None, "output_router_logits": False,
-}
-
-# gpt-oss: the openai/gpt-oss-{20b,120b} config.json copied in
-# AI-Hypercomputer/maxtext hf_model_configs.py (gpt_oss_{20b,120b}_dict, MXFP4
-# quantization_config removed). gpt-oss-safeguard shares the architectures.
-GPT_OSS_20B = {
-    "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
-    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
-    "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
-    "rms_norm_eps": 1e-05, "rope_theta": 150000, "sliding_window": 128,
-    "output_router_logits": False,
-    "rope_scaling": {
-        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-        "original_max_position_embeddings": 4096, "rope_type": "yarn",
-        "truncate": False,
-    },
-}
-GPT_OSS_120B = dict(GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128)
 
 # ---------------------------------------------------------------------------
 # Entries.
@@ -412,10 +186,10 @@ def _entries():
     e = []
     # Gemma 4.
     for size, hf_name, hf, maxtext, aliases in (
-        ("2b", "gemma-4-E2B", GEMMA4_E2B, "gemma4_e2b_dict", ["gemma4_e2b"]),
-        ("4b", "gemma-4-E4B", GEMMA4_E4B, "gemma4_e4b_dict", ["gemma4_e4b"]),
-        ("26b_a4b", "gemma-4-26B-A4B", GEMMA4_26B_A4B, "gemma4_26b_dict", ["gemma4_26b"]),
-        ("31b", "gemma-4-31B", GEMMA4_31B, "gemma4_31b_dict", []),
+        ("2b", "gemma-4-E2B", HF["gemma4_e2b"], "gemma4_e2b_dict", ["gemma4_e2b"]),
+        ("4b", "gemma-4-E4B", HF["gemma4_e4b"], "gemma4_e4b_dict", ["gemma4_e4b"]),
+        ("26b_a4b", "gemma-4-26B-A4B", HF["gemma4_26b_a4b"], "gemma4_26b_dict", ["gemma4_26b"]),
+        ("31b", "gemma-4-31B", HF["gemma4_31b"], "gemma4_31b_dict", []),
     ):
         src = _SRC_GEMMA4.format(hf=hf_name, maxtext=maxtext)
         e.append(_entry(f"gemma4_{size}", "Gemma4Backbone", "gemma4", hf, src, aliases))
@@ -426,10 +200,10 @@ def _entries():
             src.replace(hf_name, hf_name + "-it"), [it_alias],
         ))
     for size, target_name, target, hidden, heads, ffn, inferred in (
-        ("2b", "gemma-4-E2B-it", GEMMA4_E2B, 256, 4, 2048, False),
-        ("4b", "gemma-4-E4B-it", GEMMA4_E4B, 256, 4, 2048, False),
-        ("26b_a4b", "gemma-4-26B-A4B-it", GEMMA4_26B_A4B, 1024, 24, 5920, True),
-        ("31b", "gemma-4-31B-it", GEMMA4_31B, 1024, 16, 10400, True),
+        ("2b", "gemma-4-E2B-it", HF["gemma4_e2b"], 256, 4, 2048, False),
+        ("4b", "gemma-4-E4B-it", HF["gemma4_e4b"], 256, 4, 2048, False),
+        ("26b_a4b", "gemma-4-26B-A4B-it", HF["gemma4_26b_a4b"], 1024, 24, 5920, True),
+        ("31b", "gemma-4-31B-it", HF["gemma4_31b"], 1024, 16, 10400, True),
     ):
         alias = {"2b": "gemma4_e2b_it_assistant", "4b": "gemma4_e4b_it_assistant",
                  "26b_a4b": "gemma4_26b_a4b_it_assistant", "31b": "gemma4_31b_it_assistant"}[size]
@@ -441,17 +215,17 @@ def _entries():
         ))
     # Qwen 3.5 dense.
     for name, hf_name, hf, text, vision, aliases in (
-        ("qwen3_5_0.8b_base", "Qwen3.5-0.8B-Base", QWEN3_5_0_8B, "THUDM/slime scripts/models/qwen3.5-0.8B.sh", "12 x 768 (0.8B)", ["qwen3.5_0.8b_base"]),
-        ("qwen3_5_0.8b", "Qwen3.5-0.8B", QWEN3_5_0_8B, "THUDM/slime scripts/models/qwen3.5-0.8B.sh", "12 x 768 (0.8B)", ["qwen3.5_0.8b"]),
-        ("qwen3_5_2b_base", "Qwen3.5-2B-Base", QWEN3_5_2B, "the Qwen3.5-2B model card", "24 x 1024 (2B, 4B)", ["qwen3.5_2b_base"]),
-        ("qwen3_5_2b", "Qwen3.5-2B", QWEN3_5_2B, "the Qwen3.5-2B model card", "24 x 1024 (2B, 4B)", ["qwen3.5_2b"]),
-        ("qwen3_5_4b_base", "Qwen3.5-4B-Base", QWEN3_5_4B, "THUDM/slime scripts/models/qwen3.5-4B.sh", "24 x 1024 (2B, 4B)", ["qwen3.5_4b_base"]),
-        ("qwen3_5_4b", "Qwen3.5-4B", QWEN3_5_4B, "THUDM/slime scripts/models/qwen3.5-4B.sh", "24 x 1024 (2B, 4B)", ["qwen3.5_4b"]),
-        ("qwen3_5_9b_base", "Qwen3.5-9B-Base", QWEN3_5_9B, "THUDM/slime scripts/models/qwen3.5-9B.sh", "27 x 1152 (9B, 27B, 35B-A3B)", ["qwen3.5_9b_base"]),
-        ("qwen3_5_9b", "Qwen3.5-9B", QWEN3_5_9B, "THUDM/slime scripts/models/qwen3.5-9B.sh", "27 x 1152 (9B, 27B, 35B-A3B)", ["qwen3.5_9b"]),
-        ("qwen3_5_27b", "Qwen3.5-27B", QWEN3_5_27B, "THUDM/slime scripts/models/qwen3.5-27B.sh", "27 x 1152 (9B, 27B, 35B-A3B)", ["qwen3.5_27b"]),
-        ("qwen3_6_27b", "Qwen3.6-27B", QWEN3_5_27B, "THUDM/slime scripts/models/qwen3.5-27B.sh (Qwen3.6-27B keeps the Qwen3.5-27B architecture)", "27 x 1152 (9B, 27B, 35B-A3B)", ["qwen3.6_27b"]),
-        ("qwen3_8_27b", "Qwen3.8-27B", QWEN3_5_27B, "THUDM/slime scripts/models/qwen3.5-27B.sh (Qwen3.8-27B is built on the Qwen3.5-27B architecture, per KerasHub's description)", "27 x 1152 (9B, 27B, 35B-A3B)", ["qwen3.8_27b"]),
+        ("qwen3_5_0.8b_base", "Qwen3.5-0.8B-Base", HF["qwen3_5_0_8b"], "THUDM/slime scripts/models/qwen3.5-0.8B.sh", "12 x 768 (0.8B)", ["qwen3.5_0.8b_base"]),
+        ("qwen3_5_0.8b", "Qwen3.5-0.8B", HF["qwen3_5_0_8b"], "THUDM/slime scripts/models/qwen3.5-0.8B.sh", "12 x 768 (0.8B)", ["qwen3.5_0.8b"]),
+        ("qwen3_5_2b_base", "Qwen3.5-2B-Base", HF["qwen3_5_2b"], "the Qwen3.5-2B model card", "24 x 1024 (2B, 4B)", ["qwen3.5_2b_base"]),
+        ("qwen3_5_2b", "Qwen3.5-2B", HF["qwen3_5_2b"], "the Qwen3.5-2B model card", "24 x 1024 (2B, 4B)", ["qwen3.5_2b"]),
+        ("qwen3_5_4b_base", "Qwen3.5-4B-Base", HF["qwen3_5_4b"], "THUDM/slime scripts/models/qwen3.5-4B.sh", "24 x 1024 (2B, 4B)", ["qwen3.5_4b_base"]),
+        ("qwen3_5_4b", "Qwen3.5-4B", HF["qwen3_5_4b"], "THUDM/slime scripts/models/qwen3.5-4B.sh", "24 x 1024 (2B, 4B)", ["qwen3.5_4b"]),
+        ("qwen3_5_9b_base", "Qwen3.5-9B-Base", HF["qwen3_5_9b"], "THUDM/slime scripts/models/qwen3.5-9B.sh", "27 x 1152 (9B, 27B, 35B-A3B)", ["qwen3.5_9b_base"]),
+        ("qwen3_5_9b", "Qwen3.5-9B", HF["qwen3_5_9b"], "THUDM/slime scripts/models/qwen3.5-9B.sh", "27 x 1152 (9B, 27B, 35B-A3B)", ["qwen3.5_9b"]),
+        ("qwen3_5_27b", "Qwen3.5-27B", HF["qwen3_5_27b"], "THUDM/slime scripts/models/qwen3.5-27B.sh", "27 x 1152 (9B, 27B, 35B-A3B)", ["qwen3.5_27b"]),
+        ("qwen3_6_27b", "Qwen3.6-27B", HF["qwen3_5_27b"], "THUDM/slime scripts/models/qwen3.5-27B.sh (Qwen3.6-27B keeps the Qwen3.5-27B architecture)", "27 x 1152 (9B, 27B, 35B-A3B)", ["qwen3.6_27b"]),
+        ("qwen3_8_27b", "Qwen3.8-27B", HF["qwen3_5_27b"], "THUDM/slime scripts/models/qwen3.5-27B.sh (Qwen3.8-27B is built on the Qwen3.5-27B architecture, per KerasHub's description)", "27 x 1152 (9B, 27B, 35B-A3B)", ["qwen3.8_27b"]),
     ):
         e.append(_entry(
             name, "Qwen3_5Backbone", "qwen3_5", hf,
@@ -469,12 +243,12 @@ def _entries():
             f"Hugging Face config of Qwen/{hf_name} (same architecture as Qwen/Qwen3.5-35B-A3B)",
         )
         e.append(_entry(
-            name, "Qwen3_5MoeBackbone", "qwen3_5_moe", QWEN3_5_35B_A3B, src, aliases,
+            name, "Qwen3_5MoeBackbone", "qwen3_5_moe", HF["qwen3_5_35b_a3b"], src, aliases,
             notes=["Includes the vision tower (Qwen3_5VisionEncoder, 27 x 1152), as KerasHub's preset does: the published count is text + vision exactly."],
         ))
     e.append(_entry(
         "qwen_agent_world_35b_a3b", "Qwen3_5MoeBackbone", "qwen3_5_moe",
-        QWEN_AGENT_WORLD_35B_A3B,
+        HF["qwen_agent_world_35b_a3b"],
         _SRC_QWEN3_5_MOE.replace(
             "Hugging Face config of Qwen/Qwen3.5-35B-A3B",
             "Text model of Qwen/Qwen-AgentWorld-35B-A3B, the Qwen3.5-35B-A3B architecture",
@@ -484,23 +258,23 @@ def _entries():
         notes=["Text only: KerasHub's published count (34,660,610,688) is exactly the Qwen3.5-35B-A3B count less its 446,571,248-parameter vision tower, so KerasHub's AgentWorld preset has no vision encoder (vision_encoder null)."],
     ))
     # Qwen 3 MoE.
-    e.append(_entry("qwen3_moe_30b_a3b_en", "Qwen3MoeBackbone", "qwen3_moe", QWEN3_MOE_30B_A3B,
+    e.append(_entry("qwen3_moe_30b_a3b_en", "Qwen3MoeBackbone", "qwen3_moe", HF["qwen3_moe_30b_a3b"],
                     _SRC_QWEN3_MOE_30B, ["qwen3_moe_30b_a3b", "qwen3_30b_a3b"]))
-    e.append(_entry("qwen3_moe_235b_a22b_en", "Qwen3MoeBackbone", "qwen3_moe", QWEN3_MOE_235B_A22B,
+    e.append(_entry("qwen3_moe_235b_a22b_en", "Qwen3MoeBackbone", "qwen3_moe", HF["qwen3_moe_235b_a22b"],
                     _SRC_QWEN3_MOE_235B, ["qwen3_moe_235b_a22b", "qwen3_235b_a22b"]))
-    e.append(_entry("qwen3_coder_instruct_30b_a3b_en", "Qwen3MoeBackbone", "qwen3_moe", QWEN3_CODER_30B_A3B,
+    e.append(_entry("qwen3_coder_instruct_30b_a3b_en", "Qwen3MoeBackbone", "qwen3_moe", HF["qwen3_coder_30b_a3b"],
                     _SRC_QWEN3_CODER, ["qwen3_coder_30b_a3b", "qwen3_coder_instruct_30b_a3b"]))
     # Mixtral.
-    e.append(_entry("mixtral_8_7b_en", "MixtralBackbone", "mixtral", MIXTRAL_8X7B, _SRC_MIXTRAL,
+    e.append(_entry("mixtral_8_7b_en", "MixtralBackbone", "mixtral", HF["mixtral_8x7b"], _SRC_MIXTRAL,
                     ["mixtral_8x7b", "mixtral_8x7b_en"]))
-    e.append(_entry("mixtral_8_instruct_7b_en", "MixtralBackbone", "mixtral", MIXTRAL_8X7B, _SRC_MIXTRAL,
+    e.append(_entry("mixtral_8_instruct_7b_en", "MixtralBackbone", "mixtral", HF["mixtral_8x7b"], _SRC_MIXTRAL,
                     ["mixtral_8x7b_instruct", "mixtral_8x7b_instruct_en"]))
     # gpt-oss.
     for name, hf_name, hf, maxtext, aliases in (
-        ("gpt_oss_20b_en", "gpt-oss-20b", GPT_OSS_20B, "gpt_oss_20b_dict", ["gpt_oss_20b"]),
-        ("gpt_oss_120b_en", "gpt-oss-120b", GPT_OSS_120B, "gpt_oss_120b_dict", ["gpt_oss_120b"]),
-        ("gpt_oss_safeguard_20b_en", "gpt-oss-20b", GPT_OSS_20B, "gpt_oss_20b_dict", ["gpt_oss_safeguard_20b"]),
-        ("gpt_oss_safeguard_120b_en", "gpt-oss-120b", GPT_OSS_120B, "gpt_oss_120b_dict", ["gpt_oss_safeguard_120b"]),
+        ("gpt_oss_20b_en", "gpt-oss-20b", HF["gpt_oss_20b"], "gpt_oss_20b_dict", ["gpt_oss_20b"]),
+        ("gpt_oss_120b_en", "gpt-oss-120b", HF["gpt_oss_120b"], "gpt_oss_120b_dict", ["gpt_oss_120b"]),
+        ("gpt_oss_safeguard_20b_en", "gpt-oss-20b", HF["gpt_oss_20b"], "gpt_oss_20b_dict", ["gpt_oss_safeguard_20b"]),
+        ("gpt_oss_safeguard_120b_en", "gpt-oss-120b", HF["gpt_oss_120b"], "gpt_oss_120b_dict", ["gpt_oss_safeguard_120b"]),
     ):
         e.append(_entry(name, "GptOssBackbone", "gpt_oss", hf,
                         _SRC_GPT_OSS.format(hf=hf_name, maxtext=maxtext), aliases))
@@ -553,7 +327,7 @@ def build_config(spec):
     import keras_hub
     from keras.src.utils.naming import to_snake_case
 
-    from keras_hub_dist.plan.abstract import build_without_values
+    from keras_hub_dist.plan.build import build_without_values
 
     # A fresh name scope per entry, as in KerasHub's one-checkpoint-per-process
     # conversion: nested layers keep their default names (no `_1` suffixes).

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import abc
 import math
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +43,10 @@ import ml_dtypes
 import numpy as np
 
 from keras_hub_dist.formats import host_io
+
+# Where a block's bytes lie in a file is host_io's (it reads and writes them);
+# re-exported here, where the reader protocol uses them.
+from keras_hub_dist.formats.host_io import ByteRuns, Index, byte_runs
 
 __all__ = [
     "ByteRuns",
@@ -59,10 +62,6 @@ __all__ = [
     "listing",
     "numpy_dtype",
 ]
-
-# `((start, stop), ...)`: one half-open range per dimension of a variable.
-Index = tuple[tuple[int, int], ...]
-
 
 # At most this many problems are spelled out in one error message.
 _MAX_LISTED = 12
@@ -102,61 +101,6 @@ def compatible_dtypes(on_disk: np.dtype, expected: np.dtype) -> bool:
 
 
 @dataclass(frozen=True)
-class ByteRuns:
-    """The bytes of one block inside a file: `prod(counts)` runs, C order.
-
-    Run `k` (a multi-index over `counts`) starts at
-    `offset + sum(k_i * strides_i)` and is `run_bytes` long; the runs land in
-    the block's buffer one after another.
-    """
-
-    offset: int
-    run_bytes: int
-    counts: tuple[int, ...]
-    strides: tuple[int, ...]
-
-    @property
-    def num_runs(self) -> int:
-        return math.prod(self.counts) if self.run_bytes else 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_runs * self.run_bytes
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        """Yields `(file_offset, length)` per run, in buffer order."""
-        if not self.run_bytes:
-            return
-        for k in np.ndindex(*self.counts):
-            yield self.offset + sum(i * s for i, s in zip(k, self.strides)), self.run_bytes
-
-
-def byte_runs(shape: Sequence[int], itemsize: int, index: Index, offset: int) -> ByteRuns:
-    """The strided byte runs of block `index` of a C-order array at `offset`."""
-    shape = tuple(int(d) for d in shape)
-    if not shape:
-        return ByteRuns(offset, itemsize, (), ())
-    if any(stop <= start for start, stop in index):
-        return ByteRuns(offset, 0, (), ())
-    strides = [itemsize * math.prod(shape[i + 1 :]) for i in range(len(shape))]
-    # Every dimension after the last partial one is taken whole, so one run
-    # spans the partial dimension's slice times everything after it.
-    partial = [i for i, (start, stop) in enumerate(index) if (start, stop) != (0, shape[i])]
-    last = partial[-1] if partial else -1
-    if last < 0:
-        return ByteRuns(offset, itemsize * math.prod(shape), (), ())
-    start_offset = offset + sum(index[i][0] * strides[i] for i in range(last + 1))
-    run_bytes = (index[last][1] - index[last][0]) * strides[last]
-    counts, run_strides = [], []
-    for i in range(last):
-        count = index[i][1] - index[i][0]
-        if count > 1:
-            counts.append(count)
-            run_strides.append(strides[i])
-    return ByteRuns(start_offset, run_bytes, tuple(counts), tuple(run_strides))
-
-
-@dataclass(frozen=True)
 class StoredTensor:
     """A tensor stored uncompressed and C-contiguous at a byte offset of a file.
 
@@ -165,12 +109,15 @@ class StoredTensor:
         offset: Byte offset of element 0.
         shape: Shape of the stored tensor.
         dtype: Its dtype.
+        opened: The file, opened by the format that indexed it (a remote
+            object); `None` for a local path, opened when read.
     """
 
     file: str
     offset: int
     shape: tuple[int, ...]
     dtype: np.dtype
+    opened: Any = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -181,13 +128,14 @@ class StoredTensor:
         return byte_runs(self.shape, self.dtype.itemsize, index, self.offset)
 
     def read(self, index: Index) -> np.ndarray:
-        """Block `index` in fresh, aligned memory (one `preadv` per run)."""
+        """Block `index` in fresh, aligned memory (one read per run)."""
         out = host_io.aligned_empty(tuple(b - a for a, b in index), self.dtype)
-        fd = os.open(self.file, os.O_RDONLY)
+        file = self.opened if self.opened is not None else host_io.LocalFile(self.file)
         try:
-            host_io.read_runs(fd, self.block_runs(index), out)
+            file.read_stretches(host_io.run_stretches(self.block_runs(index), out))
         finally:
-            os.close(fd)
+            if self.opened is None:
+                file.close()
         return out
 
 
@@ -259,12 +207,15 @@ class CheckpointIndex:
         entries: One per model variable, in `model.weights` order.
         total_bytes: Bytes of all the checkpoint's tensors on disk.
         format: A short name of the format (`"keras_h5"`, ...).
+        opened: The same files, opened (`host_io.LocalFile`, remote
+            `RemoteFile`), where the format opened them.
     """
 
     files: tuple[str, ...]
     entries: tuple[IndexedVariable, ...]
     total_bytes: int
     format: str
+    opened: tuple[Any, ...] = ()
 
     def __len__(self) -> int:
         return len(self.entries)

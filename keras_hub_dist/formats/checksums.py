@@ -118,38 +118,54 @@ def num_chunks(size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, -(-size // chunk_bytes))
 
 
-def _hash_chunk(path: str, start: int, stop: int) -> bytes:
+# Each thread hashes its chunk this many bytes at a time.
+_HASH_STEP = 8 << 20
+
+
+def _size(file: Any) -> int:
+    return os.path.getsize(file) if isinstance(file, str) else file.size
+
+
+def _name(file: Any) -> str:
+    return file if isinstance(file, str) else file.name
+
+
+def _hash_chunk(file: Any, start: int, stop: int) -> bytes:
+    """SHA-256 of bytes `start:stop` of a local path or an opened (remote) file."""
     digest = hashlib.sha256()
-    buffer = host_io.aligned_empty((min(stop - start, 8 << 20),), np.uint8)
+    buffer = host_io.aligned_empty((min(stop - start, _HASH_STEP),), np.uint8)
     view = memoryview(buffer)
-    fd = os.open(path, os.O_RDONLY)
+    opened = host_io.LocalFile(file) if isinstance(file, str) else file
     try:
         position = start
         while position < stop:
-            n = os.preadv(fd, [view[: min(len(view), stop - position)]], position)
-            if n <= 0:
+            piece = view[: min(len(view), stop - position)]
+            try:
+                opened.read_stretches([(position, [piece])])
+            except PresetError as e:
                 raise PresetError(
-                    f"{path!r} ended at byte {position} while hashing bytes "
-                    f"{start}:{stop}. Expected a file of at least {stop} bytes."
-                )
-            digest.update(view[:n])  # releases the GIL: threads hash in parallel
-            position += n
+                    f"{_name(file)!r} ended before byte {stop} while hashing bytes "
+                    f"{start}:{stop}. Expected a file of at least {stop} bytes. ({e})"
+                ) from e
+            digest.update(piece)  # releases the GIL: threads hash in parallel
+            position += len(piece)
     finally:
-        os.close(fd)
+        if isinstance(file, str):
+            opened.close()
     return digest.digest()
 
 
 def chunk_digests(
-    files: Sequence[str],
+    files: Sequence[Any],
     chunks: Iterable[tuple[int, int]],
     *,
     chunk_bytes: Sequence[int] | None = None,
     num_threads: int = 2,
 ) -> dict[tuple[int, int], bytes]:
-    """SHA-256 of chunks `(file number, chunk number)` of `files`
-    (`chunk_bytes` per file, default `CHUNK_BYTES`)."""
+    """SHA-256 of chunks `(file number, chunk number)` of `files` (local
+    paths or opened files; `chunk_bytes` per file, default `CHUNK_BYTES`)."""
     wanted = list(chunks)
-    sizes = [os.path.getsize(path) for path in files]
+    sizes = [_size(file) for file in files]
     steps = list(chunk_bytes) if chunk_bytes is not None else [CHUNK_BYTES] * len(files)
 
     def one(key: tuple[int, int]) -> bytes:
@@ -317,7 +333,7 @@ def recorded_checksums(metadata: Mapping[str, Any], label: str) -> dict[str, Fil
 
 def mismatches(
     names: Sequence[str],
-    paths: Sequence[str],
+    paths: Sequence[Any],
     recorded: Mapping[str, FileChecksum],
     keys: Iterable[tuple[int, int]],
     *,
@@ -328,10 +344,10 @@ def mismatches(
     problems = []
     keys = list(keys)
     for name, path in zip(names, paths):
-        size = os.path.getsize(path)
+        size = _size(path)
         if size != recorded[name].size:
             problems.append(
-                f"{path!r} has {size} bytes; expected {recorded[name].size} "
+                f"{_name(path)!r} has {size} bytes; expected {recorded[name].size} "
                 "(the file was truncated or extended after saving)"
             )
     if problems:
@@ -344,14 +360,14 @@ def mismatches(
             start = c * entry.chunk_bytes
             problems.append(
                 f"bytes {start}:{min(start + entry.chunk_bytes, entry.size)} of "
-                f"{paths[f]!r} changed since saving (SHA-256 {digest.hex()[:16]}..., "
+                f"{_name(paths[f])!r} changed since saving (SHA-256 {digest.hex()[:16]}..., "
                 f"recorded {entry.chunks[c][:16]}...)"
             )
     return problems
 
 
 def verify_files(
-    files: Sequence[str],
+    files: Sequence[Any],
     metadata: Mapping[str, Any],
     label: str,
     *,
@@ -369,7 +385,7 @@ def verify_files(
     import jax
 
     recorded = recorded_checksums(metadata, label)
-    names = [os.path.basename(f) for f in files]
+    names = [os.path.basename(_name(f).rstrip("/")) for f in files]
     unrecorded = [n for n in names if n not in recorded]
     if unrecorded:
         raise PresetError(
@@ -379,7 +395,7 @@ def verify_files(
             "`save_sharded_preset`."
         )
     steps = [recorded[n].chunk_bytes for n in names]
-    keys = all_chunks([os.path.getsize(f) for f in files], steps)
+    keys = all_chunks([_size(f) for f in files], steps)
     mine = share(keys, jax.process_index(), jax.process_count())
     problems = mismatches(names, list(files), recorded, mine, num_threads=num_threads)
     _processes.check_all(

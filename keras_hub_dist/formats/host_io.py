@@ -4,34 +4,41 @@ leave or enter a file.
 Every block is read into fresh, 64-byte-aligned anonymous memory with
 `os.preadv` (no memory map, so nothing loaded ever aliases the file, and no
 per-read Python object per run); saved blocks are written from their own
-buffers with `os.pwritev`.
+buffers with `os.pwritev`. Where a block's bytes lie in a C-ordered tensor
+stored at a file offset is described here too (`ByteRuns`, `byte_runs`),
+as what these reads and writes take; `formats.base` re-exports them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from keras_hub_dist.errors import PresetError
 
-if TYPE_CHECKING:
-    from keras_hub_dist.formats.base import ByteRuns
-
 __all__ = [
+    "BufferedReader",
+    "ByteRuns",
     "FileDescriptors",
+    "Index",
+    "LocalFile",
+    "Readers",
     "IOV_MAX",
     "MAX_READ",
     "aligned_empty",
+    "byte_runs",
     "contiguous_groups",
     "preadv_full",
     "pwritev_full",
-    "read_runs",
+    "run_stretches",
     "sorted_pieces",
     "write_runs",
 ]
@@ -44,6 +51,65 @@ IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024
 # Buffers from this size on get their own huge-page-backed anonymous mapping.
 _HUGE_PAGE_MIN_BYTES = 4 << 20
 _HAS_MADVISE_HUGEPAGE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
+
+
+# `((start, stop), ...)`: one half-open range per dimension of a variable.
+Index = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ByteRuns:
+    """The bytes of one block inside a file: `prod(counts)` runs, C order.
+
+    Run `k` (a multi-index over `counts`) starts at
+    `offset + sum(k_i * strides_i)` and is `run_bytes` long; the runs land in
+    the block's buffer one after another.
+    """
+
+    offset: int
+    run_bytes: int
+    counts: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @property
+    def num_runs(self) -> int:
+        return math.prod(self.counts) if self.run_bytes else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_runs * self.run_bytes
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        """Yields `(file_offset, length)` per run, in buffer order."""
+        if not self.run_bytes:
+            return
+        for k in np.ndindex(*self.counts):
+            yield self.offset + sum(i * s for i, s in zip(k, self.strides)), self.run_bytes
+
+
+def byte_runs(shape: Sequence[int], itemsize: int, index: Index, offset: int) -> ByteRuns:
+    """The strided byte runs of block `index` of a C-order array at `offset`."""
+    shape = tuple(int(d) for d in shape)
+    if not shape:
+        return ByteRuns(offset, itemsize, (), ())
+    if any(stop <= start for start, stop in index):
+        return ByteRuns(offset, 0, (), ())
+    strides = [itemsize * math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    # Every dimension after the last partial one is taken whole, so one run
+    # spans the partial dimension's slice times everything after it.
+    partial = [i for i, (start, stop) in enumerate(index) if (start, stop) != (0, shape[i])]
+    last = partial[-1] if partial else -1
+    if last < 0:
+        return ByteRuns(offset, itemsize * math.prod(shape), (), ())
+    start_offset = offset + sum(index[i][0] * strides[i] for i in range(last + 1))
+    run_bytes = (index[last][1] - index[last][0]) * strides[last]
+    counts, run_strides = [], []
+    for i in range(last):
+        count = index[i][1] - index[i][0]
+        if count > 1:
+            counts.append(count)
+            run_strides.append(strides[i])
+    return ByteRuns(start_offset, run_bytes, tuple(counts), tuple(run_strides))
 
 
 class FileDescriptors:
@@ -59,6 +125,11 @@ class FileDescriptors:
         if path not in self._fds:
             self._fds[path] = os.open(path, self._flags)
         return self._fds[path]
+
+    def sync(self) -> None:
+        """Flushes every open file to the disk (`os.fsync`)."""
+        for fd in self._fds.values():
+            os.fsync(fd)
 
     def close(self) -> None:
         fds, self._fds = self._fds, {}
@@ -121,29 +192,6 @@ def _after(buffers: list[memoryview], n: int) -> list[memoryview]:
     if buffers and n:
         buffers = [buffers[0][n:]] + buffers[1:]
     return buffers
-
-
-def read_runs(
-    fd: int,
-    runs: ByteRuns,
-    out: np.ndarray,
-    on_read: Callable[[int, int], None] | None = None,
-) -> None:
-    """Reads `runs` one after another into C-contiguous `out`.
-
-    `on_read(nbytes, calls)` is told of every read, for statistics.
-    """
-    flat = memoryview(out.reshape(-1).view(np.uint8))
-    position = 0
-    for offset, length in runs:
-        end = position + length
-        while position < end:  # at most MAX_READ per call
-            step = min(end - position, MAX_READ)
-            calls = preadv_full(fd, [flat[position : position + step]], offset)
-            if on_read is not None:
-                on_read(step, calls)
-            position += step
-            offset += step
 
 
 def pwritev_full(fd: int, buffers: list[memoryview], offset: int) -> int:
@@ -213,21 +261,161 @@ def sorted_pieces(
     )
 
 
-def contiguous_groups(offsets: Sequence[int], lengths: Sequence[int]) -> Iterator[tuple[int, int]]:
+def contiguous_groups(
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    max_pieces: int = IOV_MAX,
+    max_bytes: int = MAX_READ,
+) -> Iterator[tuple[int, int]]:
     """`(i, j)` per stretch of pieces `i:j` that are back to back in the
-    file: one `preadv`/`pwritev` each (at most `IOV_MAX` pieces, `MAX_READ`
-    bytes)."""
+    file: one `preadv`/`pwritev` each (at most `max_pieces` pieces and
+    `max_bytes` bytes: what one call takes; a range request takes any)."""
     i, count = 0, len(offsets)
     while i < count:
         size = lengths[i]
         j = i + 1
         while (
             j < count
-            and j - i < IOV_MAX
-            and size + lengths[j] <= MAX_READ
+            and j - i < max_pieces
+            and size + lengths[j] <= max_bytes
             and offsets[j] == offsets[j - 1] + lengths[j - 1]
         ):
             size += lengths[j]
             j += 1
         yield i, j
         i = j
+
+
+class LocalFile:
+    """A local file, read with `preadv`: the local twin of
+    `ranged_http.RemoteFile` (same `read_stretches`, `read`, `size`, `name`).
+    """
+
+    # What one stretch may hold: one `preadv` call's iovecs and bytes.
+    stretch_limits = (IOV_MAX, MAX_READ)
+
+    def __init__(self, path: str) -> None:
+        self.name = path
+        self._fd = -1
+        self._fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+
+    def __repr__(self) -> str:
+        return f"LocalFile({self.name!r})"
+
+    def read_stretches(
+        self,
+        stretches: Sequence[tuple[int, Sequence[memoryview]]],
+        on_read: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Fills each stretch's buffers, in order, from the file bytes at its
+        offset (one `preadv` per stretch, resumed when short)."""
+        for offset, buffers in stretches:
+            calls = preadv_full(self._fd, list(buffers), offset)
+            if on_read is not None:
+                on_read(sum(len(b) for b in buffers), calls)
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray(length)
+        preadv_full(self._fd, [memoryview(out)], offset)
+        return bytes(out)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def run_stretches(runs: ByteRuns, out: np.ndarray) -> list[tuple[int, list[memoryview]]]:
+    """`runs` as stretches into C-contiguous `out`: one per run, each at
+    most `MAX_READ` bytes (what one `preadv` may read)."""
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    stretches = []
+    position = 0
+    for offset, length in runs:
+        end = position + length
+        while position < end:
+            step = min(end - position, MAX_READ)
+            stretches.append((offset, [flat[position : position + step]]))
+            position += step
+            offset += step
+    return stretches
+
+
+class Readers:
+    """The open files of one load, by name: a file a format opened itself
+    (a remote object, kept on its `StoredTensor`) or a local path opened
+    here on first use."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, Any] = {}
+
+    def __call__(self, name: str, opened: Any = None) -> Any:
+        if opened is not None:
+            return opened
+        if name not in self._files:
+            self._files[name] = LocalFile(name)
+        return self._files[name]
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for file in files.values():
+            file.close()
+
+
+class BufferedReader(io.RawIOBase):
+    """A read-only, seekable file object over a `LocalFile`/`RemoteFile`
+    that reads `block_bytes` at a time and keeps the blocks it read: what
+    h5py's file-object driver needs to walk a remote file's metadata with a
+    few large range requests instead of thousands of tiny ones. A read that
+    fails is kept in `error` (h5py raises its own error in its place)."""
+
+    def __init__(self, file: Any, block_bytes: int = 64 << 10) -> None:
+        super().__init__()
+        self.file = file
+        self.block_bytes = block_bytes
+        self._blocks: dict[int, bytes] = {}
+        self._position = 0
+        self.error: BaseException | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.file.size}[whence]
+        self._position = base + offset
+        return self._position
+
+    def _block(self, number: int) -> bytes:
+        if number not in self._blocks:
+            start = number * self.block_bytes
+            try:
+                self._blocks[number] = self.file.read(start, min(self.block_bytes, self.file.size - start))
+            except Exception as e:
+                # Kept for the caller: h5py's callback turns it into its own.
+                self.error = e
+                raise OSError(f"reading {self.file.name} failed: {e}") from e
+        return self._blocks[number]
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = min(len(view), max(0, self.file.size - self._position))
+        done = 0
+        while done < want:
+            number, within = divmod(self._position + done, self.block_bytes)
+            block = self._block(number)
+            take = min(want - done, len(block) - within)
+            view[done : done + take] = block[within : within + take]
+            done += take
+        self._position += done
+        return done

@@ -50,8 +50,8 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError, UnconvertedWeightsWarning
-from keras_hub_dist.plan.presets import read_json
-from keras_hub_dist.formats import keras_h5
+from keras_hub_dist.plan.presets import parse_json
+from keras_hub_dist.formats import hf_config_compat, keras_h5
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
     IndexedVariable,
@@ -74,9 +74,9 @@ from keras_hub_dist.formats.transforms import Constant, FullTensorFallback, view
 
 __all__ = [
     "FORMAT",
-    "checksum_metadata",
     "TESTED_MODEL_TYPES",
     "backbone_config",
+    "checksum_metadata",
     "index_checkpoint",
     "recognizes",
     "trace_sources",
@@ -94,20 +94,21 @@ TESTED_MODEL_TYPES = (
 
 
 
-def checksum_metadata(ref: str) -> dict[str, Any]:
-    """The `metadata` of the checkpoint's `model.safetensors.index.json`
-    (where `save_sharded_preset(..., format="huggingface")` records the
-    files' checksums), or `{}` without an index."""
-    if not _compat.preset_has_file(ref, INDEX_FILE):
-        return {}
-    index = read_json(_compat.preset_file(ref, INDEX_FILE))
-    metadata = index.get("metadata") if isinstance(index, dict) else None
-    return metadata if isinstance(metadata, dict) else {}
-
-
 def recognizes(config: Mapping[str, Any]) -> bool:
     """Whether config.json is a Transformers one (`model_type`, no Keras class)."""
     return "model_type" in config and "registered_name" not in config
+
+
+def checksum_metadata(location: Any) -> dict[str, Any]:
+    """The `metadata` of the checkpoint's `model.safetensors.index.json`
+    (where `save_sharded_preset(..., format="huggingface")` records the
+    files' checksums), or `{}` without an index. `location`: a
+    `formats.locations.Location`."""
+    if not location.has(INDEX_FILE):
+        return {}
+    index = parse_json(location.read_bytes(INDEX_FILE), location.path_of(INDEX_FILE))
+    metadata = index.get("metadata") if isinstance(index, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
 
 
 def _check_quantization(config: Mapping[str, Any], label: str) -> None:
@@ -140,8 +141,13 @@ def _converter(config: Mapping[str, Any], label: str) -> Any:
 
 
 def backbone_config(config: Mapping[str, Any], label: str) -> tuple[type, dict[str, Any]]:
-    """`(backbone class, constructor config)`, by KerasHub's config conversion."""
+    """`(backbone class, constructor config)`, by KerasHub's config conversion.
+
+    `config` may be written by `transformers` 4 or 5: keys `transformers` 5
+    renamed are read under their new names (`hf_config_compat`).
+    """
     _check_quantization(config, label)
+    config = hf_config_compat.compatible_config(config, label)
     converter = _converter(config, label)
     cls = converter.backbone_cls
     convert = converter.convert_backbone_config
@@ -158,12 +164,30 @@ def backbone_config(config: Mapping[str, Any], label: str) -> tuple[type, dict[s
             k: keras.layers.serialize(v) if isinstance(v, keras.layers.Layer) else v
             for k, v in kwargs.items()
         }
-    except (KeyError, TypeError, ValueError) as e:
+    except KeyError as e:
+        raise PresetError(_missing_key_message(config, label, e.args[0] if e.args else e)) from e
+    except (TypeError, ValueError) as e:
         raise PresetError(
             f"KerasHub's converter for model_type={config.get('model_type')!r} cannot "
             f"read the config.json of {label!r}: {type(e).__name__}: {e}. Expected a "
             "complete Transformers config of that model type."
         ) from e
+
+
+def _missing_key_message(config: Mapping[str, Any], label: str, key: Any) -> str:
+    model_type = str(config.get("model_type"))
+    known = hf_config_compat.renames_of(model_type)
+    return (
+        f"KerasHub's converter for model_type={model_type!r} cannot read the "
+        f"config.json of {label!r}: it has no key {key!r}. Expected a complete "
+        f"Transformers config of that model type, as transformers "
+        f"{hf_config_compat.READ_TRANSFORMERS_VERSIONS} writes it (keys "
+        "transformers 5 renamed for this model type, read under their new names: "
+        + (", ".join(known) if known else "none")
+        + f"). Received keys: {sorted(config)}. Fix: use the config.json that came "
+        f"with the weights; if a newer transformers wrote {key!r} under another "
+        "name, add that name to the checkpoint's config.json as well."
+    )
 
 
 class _MissingTensor(KeyError):
@@ -186,32 +210,42 @@ class _Trace:
         self.unquantized: dict[str, str] = {}
 
 
-def _tracing_loader(ref: str | None, files: SafetensorsCheckpoint, trace: _Trace) -> Any:
+def _tracing_loader(
+    label: str, files: SafetensorsCheckpoint, trace: _Trace, model_type: str
+) -> Any:
     """KerasHub's `SafetensorLoader`, serving `LazyArray`s (no tensor read).
 
     A subclass, so key resolution (`get_prefixed_key`, prefixes, the index)
-    is KerasHub's own; the index and headers are `files`' (already read and
-    validated, or planned and not yet written), so it opens nothing.
+    is KerasHub's own; a tensor it does not find is looked up under the name
+    `transformers` 5 gives it (`hf_config_compat.stored_tensor_name`). Its
+    state is set from the files already indexed (KerasHub's constructor would
+    fetch the index through its own file getter, which downloads whole files
+    for remote presets).
     """
     base = _compat.safetensor_loader_class()
 
     class TracingLoader(base):
-        def __init__(self) -> None:  # what the base sets, from `files`
+        def __init__(self) -> None:  # noqa: D107 - see above
             contextlib.ExitStack.__init__(self)
-            self.preset = ref
+            self.preset = label
             self.safetensor_config = (
                 None if files.weight_map is None else {"weight_map": dict(files.weight_map)}
             )
-            self.safetensor_files: dict[str, Any] = {}
+            self.safetensor_files = {}
             self.prefix = None
             self.fname = None
+
+        def stored_key(self, hf_weight_key: str, names: Mapping[str, Any]) -> str:
+            key = self.get_prefixed_key(hf_weight_key, names)
+            renamed = hf_config_compat.stored_tensor_name(model_type, key, names.__contains__)
+            return key if renamed is None else renamed
 
         def get_tensor(self, hf_weight_key: str) -> LazyArray:
             if self.safetensor_config is None:
                 fname = self.fname if self.fname is not None else SINGLE_FILE
             else:
                 weight_map = self.safetensor_config["weight_map"]
-                key = self.get_prefixed_key(hf_weight_key, weight_map)
+                key = self.stored_key(hf_weight_key, weight_map)
                 fname = weight_map.get(key)
                 if fname is None and key.endswith(("_blocks", "_scales")):  # unquantized gpt-oss
                     fname = weight_map.get(key.rsplit("_", 1)[0])
@@ -223,7 +257,7 @@ def _tracing_loader(ref: str | None, files: SafetensorsCheckpoint, trace: _Trace
                         + (f" (it is in {in_files[0]!r}; the index is stale)" if in_files else "")
                     )
             header = files.headers.get(fname)
-            name = self.get_prefixed_key(hf_weight_key, header) if header else hf_weight_key
+            name = self.stored_key(hf_weight_key, header.tensors) if header else hf_weight_key
             if header is not None and name not in header.tensors:
                 standin = _unquantized_standin(name, header.tensors)
                 if standin is not None:
@@ -364,9 +398,13 @@ def _source_of(
         return f"{variable.path}: the converter assigned a {type(value).__name__}"
 
 
-def _trace(model: keras.Model, ref: str | None, files: SafetensorsCheckpoint, config: Mapping[str, Any], label: str) -> tuple[_Trace, dict[int, Any]]:
-    """Runs KerasHub's converter on `model` with lazy tensors from `files`;
-    returns the trace and the saved variables by id."""
+def _trace(
+    model: keras.Model, files: SafetensorsCheckpoint, config: Mapping[str, Any], label: str
+) -> tuple[_Trace, dict[int, Any]]:
+    """Runs KerasHub's converter on `model` with lazy tensors from `files`
+    (`config` in the spelling the converter reads); returns the trace and
+    the saved variables by id."""
+    model_type = str(config.get("model_type"))
     converter = _converter(config, label)
     saved = {id(v): v for v in keras_h5.expected_datasets(model).values()}
     trace = _Trace(list(saved.values()))
@@ -374,7 +412,7 @@ def _trace(model: keras.Model, ref: str | None, files: SafetensorsCheckpoint, co
     # trace, that would be noise, and the library prints nothing.
     with (
         _recording_assignments(trace),
-        _tracing_loader(ref, files, trace) as loader,
+        _tracing_loader(label, files, trace, model_type) as loader,
         contextlib.redirect_stdout(io.StringIO()),
     ):
         try:
@@ -398,8 +436,10 @@ def trace_sources(
     The exporter (`keras_hub_dist.save`) traces the files it is about to
     write, to invert the converter.
     """
+    # `config` is the exporter's, in the spelling the converter reads (and
+    # may hold objects a deep copy cannot take): used as it is.
     label = "the planned checkpoint"
-    trace, saved = _trace(model, None, files, config, label)
+    trace, saved = _trace(model, files, config, label)
     tensors = {n: t for h in files.headers.values() for n, t in h.tensors.items()}
     problems = list(trace.problems)
     sources: dict[int, TensorSource] = {}
@@ -419,7 +459,7 @@ def trace_sources(
 
 
 def index_checkpoint(
-    model: keras.Model, ref: str, label: str, config: Mapping[str, Any]
+    model: keras.Model, location: Any, label: str, config: Mapping[str, Any]
 ) -> CheckpointIndex:
     """Traces KerasHub's converter on `model` and validates every value.
 
@@ -429,13 +469,14 @@ def index_checkpoint(
             tensor, the variable, expected and received), a value that cannot
             be loaded block-wise.
     """
-    files = checkpoint_files(ref, label)
-    trace, saved = _trace(model, ref, files, config, label)
-
+    files = checkpoint_files(location, label)
+    config = hf_config_compat.compatible_config(config, label)
+    model_type = str(config.get("model_type"))
     tensors = {n: t for h in files.headers.values() for n, t in h.tensors.items()}
+    trace, saved = _trace(model, files, config, label)
+
     entries, unassigned, problems = [], [], list(trace.problems)
     seen: set[int] = set()
-    model_type = str(config.get("model_type"))
     for variable in model.weights:
         if id(variable) in seen or id(variable) not in saved:
             continue
@@ -491,4 +532,5 @@ def index_checkpoint(
         entries=tuple(entries),
         total_bytes=sum(tensors[n].nbytes for n in trace.read),
         format=FORMAT,
+        opened=files.opened,
     )

@@ -29,11 +29,12 @@ index.entries[0].path, index.entries[0].source.stored.offset
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import h5py
@@ -43,7 +44,6 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.plan.presets import read_json
 from keras_hub_dist.formats import host_io
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
@@ -65,10 +65,10 @@ __all__ = [
     "dataset_source",
     "index_checkpoint",
     "recognizes",
-    "weights_path",
     "build_index",
     "expected_datasets",
     "read_datasets",
+    "open_weights",
     "walk_saved_values",
     "weights_files",
 ]
@@ -88,6 +88,8 @@ class DatasetInfo:
             contiguously and uncompressed (what Keras writes); `None`
             otherwise (chunked/compressed datasets are read through h5py).
         nbytes: Bytes of the (uncompressed) data.
+        opened: The file it was read from when that is not a local path
+            (a remote object; see `formats.locations`).
     """
 
     file: str
@@ -96,6 +98,7 @@ class DatasetInfo:
     dtype: np.dtype
     offset: int | None
     nbytes: int
+    opened: Any = field(default=None, compare=False, repr=False)
 
     @property
     def contiguous(self) -> bool:
@@ -112,7 +115,7 @@ class H5DatasetSource(TensorSource):
         self.description = f"dataset {dataset.name!r} of {dataset.file!r}"
 
     def read(self, index: Index) -> np.ndarray:
-        with h5py.File(self.dataset.file, "r") as h5:
+        with _open_h5(self.dataset.opened or self.dataset.file) as h5:
             h5_dataset = h5[self.dataset.name]
             raw = np.asarray(
                 h5_dataset[tuple(slice(a, b) for a, b in index)] if index else h5_dataset[()]
@@ -129,7 +132,7 @@ class ContiguousDatasetSource(StoredTensorSource):
 
     def __init__(self, dataset: DatasetInfo) -> None:
         super().__init__(
-            StoredTensor(dataset.file, dataset.offset, dataset.shape, dataset.dtype),
+            StoredTensor(dataset.file, dataset.offset, dataset.shape, dataset.dtype, dataset.opened),
             f"dataset {dataset.name!r} of {dataset.file!r}",
         )
         self.dataset = dataset
@@ -140,6 +143,18 @@ def dataset_source(dataset: DatasetInfo) -> TensorSource:
     if dataset.contiguous:
         return ContiguousDatasetSource(dataset)
     return H5DatasetSource(dataset)
+
+
+def _shard_names(data: bytes, entry: str) -> list[str]:
+    """The `.h5` file names a sharded `model.weights.json` maps weights to."""
+    try:
+        weight_map = json.loads(data)["weight_map"]
+        return sorted({n for v in weight_map.values() for n in (v if isinstance(v, list) else [v])})
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PresetError(
+            f"Cannot read the sharded weights config {entry!r}. "
+            f"Expected JSON with a 'weight_map'. Received: {e!r}."
+        ) from e
 
 
 def weights_files(weights_path: str) -> tuple[str, ...]:
@@ -158,20 +173,11 @@ def weights_files(weights_path: str) -> tuple[str, ...]:
         )
     if not weights_path.endswith(".json"):
         return (weights_path,)
-    try:
-        with open(weights_path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PresetError(
-            f"Cannot read the sharded weights config {weights_path!r}. "
-            f"Expected JSON with a 'weight_map'. Received: {e!r}."
-        ) from e
-    names: set[str] = set()
-    for value in weight_map.values():
-        names.update(value if isinstance(value, list) else [value])
+    with open(weights_path, "rb") as f:
+        names = _shard_names(f.read(), weights_path)
     folder = os.path.dirname(weights_path)
     files = []
-    for name in sorted(names):
+    for name in names:
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
             raise PresetError(
@@ -182,7 +188,7 @@ def weights_files(weights_path: str) -> tuple[str, ...]:
     return tuple(files)
 
 
-def _dataset_info(path: str, name: str, ds: h5py.Dataset, file_size: int) -> DatasetInfo:
+def _dataset_info(path: str, name: str, ds: h5py.Dataset, file_size: int, opened: Any) -> DatasetInfo:
     if ds.external:
         raise PresetError(
             f"Dataset {name!r} in {path!r} is stored in an external file. "
@@ -234,11 +240,10 @@ def _dataset_info(path: str, name: str, ds: h5py.Dataset, file_size: int) -> Dat
             f"at least {end} bytes. Received: {file_size} bytes. Download or "
             "save the preset again."
         )
-    return DatasetInfo(path, name, shape, dtype, None if offset is None else int(offset), nbytes)
+    return DatasetInfo(path, name, shape, dtype, None if offset is None else int(offset), nbytes, opened)
 
 
-def _index_file(path: str, h5: h5py.File, found: dict[str, DatasetInfo]) -> None:
-    file_size = os.path.getsize(path)
+def _index_file(path: str, h5: h5py.File, found: dict[str, DatasetInfo], file_size: int, opened: Any) -> None:
     problems: list[PresetError] = []
 
     def visit(name: str, link: Any) -> None:
@@ -265,7 +270,7 @@ def _index_file(path: str, h5: h5py.File, found: dict[str, DatasetInfo]) -> None
             )
             return
         try:
-            found[name] = _dataset_info(path, name, obj, file_size)
+            found[name] = _dataset_info(path, name, obj, file_size, opened)
         except PresetError as e:
             problems.append(e)
 
@@ -274,30 +279,60 @@ def _index_file(path: str, h5: h5py.File, found: dict[str, DatasetInfo]) -> None
         raise problems[0]
 
 
-def read_datasets(files: Sequence[str]) -> dict[str, DatasetInfo]:
+@contextlib.contextmanager
+def _open_h5(file: Any) -> Iterator[h5py.File]:
+    """h5py on a local path, or on an opened (remote) file through a reader
+    that fetches 64 KiB blocks: HDF5's metadata is a few small reads per
+    dataset, so a file's index costs a few range requests per dataset.
+
+    A read that fails inside h5py (its file-object callback cannot carry
+    our error out) is raised as the reader's own error, naming the URL and
+    the byte range."""
+    reader = None
+    try:
+        if isinstance(file, (str, host_io.LocalFile)):
+            h5 = h5py.File(file if isinstance(file, str) else file.name, "r")
+        else:
+            reader = host_io.BufferedReader(file)
+            h5 = h5py.File(reader, "r")
+        with h5:
+            yield h5
+    except Exception:
+        if reader is not None and reader.error is not None:
+            raise reader.error from None
+        raise
+
+
+def read_datasets(files: Sequence[Any]) -> dict[str, DatasetInfo]:
     """Metadata of every dataset in the weights files, keyed by dataset path.
 
     Only HDF5 metadata is read (no weight bytes). Soft/external links and
     external or virtual datasets are rejected, as Keras's own loader does.
+
+    Args:
+        files: Local paths, or opened files (`host_io.LocalFile`, a remote
+            `ranged_http.RemoteFile`).
 
     Raises:
         PresetError: A file is not HDF5, is truncated, or two shards hold the
             same dataset.
     """
     found: dict[str, DatasetInfo] = {}
-    for path in files:
+    for file in files:
+        path = file if isinstance(file, str) else file.name
+        size = os.path.getsize(path) if isinstance(file, str) else file.size
+        opened = None if isinstance(file, (str, host_io.LocalFile)) else file
         try:
-            h5 = h5py.File(path, "r")
+            with _open_h5(file) as h5:
+                _index_file(path, h5, found, size, opened)
         except OSError as e:
             reason = "truncated" if "truncated" in str(e) else "not a readable HDF5 file"
             raise PresetError(
                 f"The weights file {path!r} is {reason}. Expected the "
                 f"complete `.weights.h5` written by Keras. Received: a file of "
-                f"{os.path.getsize(path)} bytes that h5py cannot open ({e}). "
+                f"{size} bytes that h5py cannot open ({e}). "
                 "Download or save the preset again."
             ) from e
-        with h5:
-            _index_file(path, h5, found)
     return found
 
 
@@ -373,12 +408,14 @@ def expected_datasets(model: keras.Model) -> dict[str, Any]:
     return records
 
 
-def build_index(model: keras.Model, weights_path: str) -> CheckpointIndex:
+def build_index(model: keras.Model, weights_path: str, files: Sequence[Any] | None = None) -> CheckpointIndex:
     """Matches every variable of `model` with its dataset in `weights_path`.
 
     Args:
         model: The (abstract) model whose variables are to be filled.
         weights_path: `model.weights.h5`, or a sharded `model.weights.json`.
+        files: The weights files, opened (remote ones); default: the local
+            files `weights_path` names.
 
     Returns:
         A `CheckpointIndex` in the order of `model.weights`, with one
@@ -390,8 +427,10 @@ def build_index(model: keras.Model, weights_path: str) -> CheckpointIndex:
             a dtype cannot be cast. All problems are listed in one message,
             each naming the variable path, expected and on-disk values.
     """
-    files = weights_files(weights_path)
+    if files is None:
+        files = weights_files(weights_path)
     on_disk = read_datasets(files)
+    names = tuple(f if isinstance(f, str) else f.name for f in files)
     expected = expected_datasets(model)
 
     by_variable: dict[int, str] = {}
@@ -472,7 +511,8 @@ def build_index(model: keras.Model, weights_path: str) -> CheckpointIndex:
             "or re-save it with `save_to_preset`."
         )
     return CheckpointIndex(
-        files=files,
+        files=names,
+        opened=tuple(f for f in files if not isinstance(f, str)),
         entries=tuple(entries),
         total_bytes=sum(e.source.dataset.nbytes for e in entries),
         format="keras_h5",
@@ -489,23 +529,29 @@ def recognizes(config: Mapping[str, Any]) -> bool:
     return "registered_name" in config
 
 
-def weights_path(ref: str, label: str) -> str:
-    """Local path of the preset's `model.weights.h5` or `model.weights.json`
-    (downloading remote shards through KerasHub's cache)."""
-    if _compat.preset_has_file(ref, _WEIGHTS_FILE):
-        return _compat.preset_file(ref, _WEIGHTS_FILE)
-    if _compat.preset_has_file(ref, _SHARDED_WEIGHTS_FILE):
-        path = _compat.preset_file(ref, _SHARDED_WEIGHTS_FILE)
-        weight_map = read_json(path).get("weight_map", {})
-        for value in weight_map.values():  # Downloads remote shards.
-            for name in value if isinstance(value, list) else [value]:
-                _compat.preset_file(ref, name)
-        return path
-    raise PresetError(
-        f"The preset {label!r} has no weights. Expected "
-        f"{_WEIGHTS_FILE} (or a sharded {_SHARDED_WEIGHTS_FILE}). Received: "
-        "neither file. Save the weights with `save_to_preset`."
-    )
+def open_weights(location: Any, label: str) -> tuple[str, list[Any]]:
+    """The name of the preset's weights entry (`model.weights.h5` or the
+    sharded `model.weights.json`) and its `.h5` files, opened from
+    `location` (a `formats.locations.Location`)."""
+    if location.has(_WEIGHTS_FILE):
+        return location.path_of(_WEIGHTS_FILE), [location.open(_WEIGHTS_FILE)]
+    if not location.has(_SHARDED_WEIGHTS_FILE):
+        raise PresetError(
+            f"The preset {label!r} has no weights. Expected "
+            f"{_WEIGHTS_FILE} (or a sharded {_SHARDED_WEIGHTS_FILE}). Received: "
+            "neither file. Save the weights with `save_to_preset`."
+        )
+    entry = location.path_of(_SHARDED_WEIGHTS_FILE)
+    files = []
+    for name in _shard_names(location.read_bytes(_SHARDED_WEIGHTS_FILE), entry):
+        try:
+            files.append(location.open(name))
+        except FileNotFoundError as e:
+            raise PresetError(
+                f"A weights shard listed in {entry!r} is missing. "
+                f"Expected a file at {location.path_of(name)!r}. Received: {e}"
+            ) from None
+    return entry, files
 
 
 def backbone_config(config: Mapping[str, Any], label: str) -> tuple[type, dict[str, Any]]:
@@ -529,7 +575,9 @@ def backbone_config(config: Mapping[str, Any], label: str) -> tuple[type, dict[s
 
 
 def index_checkpoint(
-    model: keras.Model, ref: str, label: str, config: Mapping[str, Any]
+    model: keras.Model, location: Any, label: str, config: Mapping[str, Any]
 ) -> CheckpointIndex:
-    """Indexes and validates the preset's weights for `model` (no weight read)."""
-    return build_index(model, weights_path(ref, label))
+    """Indexes and validates the preset's weights for `model` (no weight
+    read), from a `formats.locations.Location`."""
+    entry, files = open_weights(location, label)
+    return build_index(model, entry, files)

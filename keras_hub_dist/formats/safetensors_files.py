@@ -15,7 +15,7 @@ each tensor.
 Example:
 
 ```python
-files = checkpoint_files("./my-llama")       # local dir or "hf://owner/name"
+files = checkpoint_files(open_location("./my-llama"))   # or "hf://owner/name"
 files.tensor("model.norm.weight").offset     # a StoredTensor
 ```
 """
@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError
+from keras_hub_dist.formats import host_io
 from keras_hub_dist.formats.base import StoredTensor
-from keras_hub_dist.plan.presets import read_json
+from keras_hub_dist.formats.locations import LocalDirectory
+from keras_hub_dist.plan.presets import parse_json
 
 __all__ = [
     "INDEX_FILE",
@@ -51,6 +52,8 @@ SINGLE_FILE = "model.safetensors"
 
 # The safetensors library refuses larger headers; so do we, before reading.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+# A header is read with one read of this many bytes (most headers fit).
+_FIRST_READ_BYTES = 64 * 1024
 
 _DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -77,6 +80,7 @@ class SafetensorsHeader:
 
     file: str
     tensors: Mapping[str, StoredTensor]
+    opened: Any = None
 
     def keys(self):
         return self.tensors.keys()
@@ -89,8 +93,13 @@ def _corrupt(path: str, size: int, what: str) -> PresetError:
     )
 
 
-def read_header(path: str) -> SafetensorsHeader:
+def read_header(file: Any) -> SafetensorsHeader:
     """Parses and validates the header of one safetensors file.
+
+    Args:
+        file: A local path, or an opened file (`host_io.LocalFile`, a remote
+            `ranged_http.RemoteFile`): the header is read with one range
+            read of its first 64 KiB and, for a longer header, one more.
 
     Raises:
         PresetError: The file is shorter than its header says, the header is
@@ -98,18 +107,28 @@ def read_header(path: str) -> SafetensorsHeader:
             does not match its shape, or its bytes lie past the end of the
             file. The message names the file and the tensor.
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise _corrupt(path, size, "expected an 8-byte header length")
-        (header_bytes,) = struct.unpack("<Q", prefix)
-        if header_bytes > min(size - 8, _MAX_HEADER_BYTES):
-            raise _corrupt(
-                path, size, f"the header claims {header_bytes} bytes, expected at most "
-                f"{min(size - 8, _MAX_HEADER_BYTES)}"
-            )
-        raw = f.read(header_bytes)
+    if isinstance(file, str):
+        file = host_io.LocalFile(file)
+    return _parse_header(file)
+
+
+def _parse_header(file: Any) -> SafetensorsHeader:
+    path, size = file.name, file.size
+    # Locally, exactly the length and the header; remotely one speculative
+    # request usually gets both (a round trip saved per file).
+    first_bytes = 8 if isinstance(file, host_io.LocalFile) else _FIRST_READ_BYTES
+    first = file.read(0, min(size, first_bytes))
+    if len(first) < 8:
+        raise _corrupt(path, size, "expected an 8-byte header length")
+    (header_bytes,) = struct.unpack("<Q", first[:8])
+    if header_bytes > min(size - 8, _MAX_HEADER_BYTES):
+        raise _corrupt(
+            path, size, f"the header claims {header_bytes} bytes, expected at most "
+            f"{min(size - 8, _MAX_HEADER_BYTES)}"
+        )
+    raw = first[8 : 8 + header_bytes]
+    if len(raw) < header_bytes:
+        raw += file.read(len(first), 8 + header_bytes - len(first))
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
@@ -144,8 +163,8 @@ def read_header(path: str) -> SafetensorsHeader:
                 path, size, f"tensor {name!r} ends at byte {data_start + end}, expected "
                 "a file at least that long"
             )
-        tensors[name] = StoredTensor(path, data_start + begin, shape, dtype)
-    return SafetensorsHeader(path, tensors)
+        tensors[name] = StoredTensor(path, data_start + begin, shape, dtype, opened=file)
+    return SafetensorsHeader(path, tensors, file)
 
 
 @dataclass(frozen=True)
@@ -165,6 +184,10 @@ class SafetensorsCheckpoint:
     def files(self) -> tuple[str, ...]:
         return tuple(h.file for h in self.headers.values())
 
+    @property
+    def opened(self) -> tuple[Any, ...]:
+        return tuple(h.opened for h in self.headers.values())
+
     def file_of(self, name: str) -> str | None:
         """The file name holding tensor `name` (`None`: the index lacks it)."""
         if self.weight_map is None:
@@ -172,18 +195,23 @@ class SafetensorsCheckpoint:
         return self.weight_map.get(name)
 
 
-def checkpoint_files(ref: str, label: str | None = None) -> SafetensorsCheckpoint:
-    """Finds, fetches (for remote handles) and validates a checkpoint's files.
+def checkpoint_files(location: Any, label: str | None = None) -> SafetensorsCheckpoint:
+    """Finds, opens and validates a checkpoint's files.
+
+    Args:
+        location: A `formats.locations.Location` (or a local directory).
 
     Raises:
         PresetError: No `model.safetensors` nor index; an invalid index; a
             shard the index names is missing; a tensor the index assigns to a
             shard is not in it; a truncated or corrupt file.
     """
-    label = label or ref
-    if _compat.preset_has_file(ref, INDEX_FILE):
-        index_path = _compat.preset_file(ref, INDEX_FILE)
-        index = read_json(index_path)
+    if isinstance(location, str):
+        location = LocalDirectory(location)
+    label = label or location.label
+    if location.has(INDEX_FILE):
+        index_path = location.path_of(INDEX_FILE)
+        index = parse_json(location.read_bytes(INDEX_FILE), index_path)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
             isinstance(v, str) for v in weight_map.values()
@@ -196,16 +224,14 @@ def checkpoint_files(ref: str, label: str | None = None) -> SafetensorsCheckpoin
         headers = {}
         for name in sorted(set(weight_map.values())):
             try:
-                path = _compat.preset_file(ref, name)
-            except FileNotFoundError:
-                path = None
-            if path is None or not os.path.isfile(path):
+                opened = location.open(name)
+            except FileNotFoundError as e:
                 raise PresetError(
                     f"The index {index_path!r} names the shard file {name!r}, which "
-                    f"does not exist in {label!r}. Expected every shard the index "
-                    "names. Download the checkpoint again."
-                )
-            headers[name] = read_header(path)
+                    f"does not exist in {label!r} ({e}). Expected every shard the "
+                    "index names. Download or upload the checkpoint again."
+                ) from None
+            headers[name] = read_header(opened)
         for tensor, name in weight_map.items():
             if tensor not in headers[name].tensors:
                 raise PresetError(
@@ -214,9 +240,8 @@ def checkpoint_files(ref: str, label: str | None = None) -> SafetensorsCheckpoin
                     "of the same checkpoint."
                 )
         return SafetensorsCheckpoint(headers, dict(weight_map))
-    if _compat.preset_has_file(ref, SINGLE_FILE):
-        path = _compat.preset_file(ref, SINGLE_FILE)
-        return SafetensorsCheckpoint({SINGLE_FILE: read_header(path)}, None)
+    if location.has(SINGLE_FILE):
+        return SafetensorsCheckpoint({SINGLE_FILE: read_header(location.open(SINGLE_FILE))}, None)
     raise PresetError(
         f"The Hugging Face checkpoint {label!r} has no weights. Expected "
         f"{SINGLE_FILE!r} or {INDEX_FILE!r} beside config.json. Received: neither."

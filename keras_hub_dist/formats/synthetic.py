@@ -46,7 +46,7 @@ from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.plan import presets
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.plan.build import build_without_values
 
 __all__ = ["write_synthetic_preset"]
 

@@ -24,6 +24,7 @@ element-wise operations act per element; the others only move elements).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,7 +70,7 @@ def view(stored: StoredTensor, shape: Sequence[int], description: str) -> Stored
     """The stored tensor seen with another shape of the same size."""
     shape = tuple(int(d) for d in shape)
     return StoredTensorSource(
-        StoredTensor(stored.file, stored.offset, shape, stored.dtype), description
+        dataclasses.replace(stored, shape=shape), description
     )
 
 

@@ -55,8 +55,10 @@ from typing import Any
 from keras_hub_dist import _compat
 from keras_hub_dist.init import initializers
 from keras_hub_dist.init import registry
+from keras_hub_dist.init.quantized import initialize_quantized
 from keras_hub_dist.plan import presets
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.plan.build import build_without_values
+from keras_hub_dist.plan.quantization import check_quantize_arguments
 
 __all__ = [
     "factory_for_class",
@@ -180,6 +182,8 @@ def _build(factory: str, name_or_config: Any, overrides: dict[str, Any],
     import keras_hub
 
     families, default_class = _FACTORIES[factory]
+    quantize = overrides.pop("quantize", None)
+    mode = check_quantize_arguments(quantize, overrides.get("dtype"))
     cls, config, entry = presets.backbone_config(
         name_or_config,
         backbone_class=getattr(keras_hub.models, default_class),
@@ -211,6 +215,9 @@ def _build(factory: str, name_or_config: Any, overrides: dict[str, Any],
     # drawn straight into its shards by a twin of its stock initializer, every
     # constant one (norm scales, biases) filled in its layout; anything else
     # goes through Keras's deferred initialization.
+    if mode is not None:
+        initialize_quantized(backbone, created, mode)
+        return backbone
     initializers.initialize_variables(created, distribute_all=True)
     return backbone
 
@@ -224,7 +231,10 @@ def gemma_backbone(name_or_config: Any, /, **overrides: Any):
             directory, a KerasHub `config.json` object or a plain dict of
             `GemmaBackbone` arguments.
         **overrides: Constructor arguments replacing the config's, e.g.
-            `num_layers=2, dtype="bfloat16"`.
+            `num_layers=2, dtype="bfloat16"`; and `quantize="int8"` or
+            `"int4"`: the backbone `backbone.quantize(mode)` would give,
+            bitwise, each float kernel drawn in its shards and quantized on
+            the host one at a time (`init.quantized`).
 
     Returns:
         The backbone; `backbone.token_embedding.embeddings_initializer` is a

@@ -61,10 +61,13 @@ from keras_hub_dist.plan import specs
 
 __all__ = [
     "Block",
+    "Exchange",
     "LoadPlan",
+    "Round",
     "VariablePlan",
     "VariableRequest",
     "block_indices",
+    "cross_process_axes",
     "plan_load",
 ]
 
@@ -75,6 +78,10 @@ AxisEntry = str | tuple[str, ...] | None
 DIRECT_MIN_RUN_BYTES = 256 * 1024
 # The largest union of blocks `"read_union"` holds on the host at once.
 UNION_MAX_BYTES = 512 * 1024 * 1024
+# A block exchanged between processes (see `Exchange`) is moved this many
+# bytes per device at a time, in at most `EXCHANGE_MAX_ROUNDS` rounds.
+EXCHANGE_ROUND_BYTES = 16 << 20
+EXCHANGE_MAX_ROUNDS = 32
 # Transposes of blocks from this size on run on the devices; smaller ones on
 # the host, where the device's moment of two copies would be a visible
 # fraction of a small model.
@@ -143,6 +150,55 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Round:
+    """One round of an `Exchange`: what this process reads of it.
+
+    Attributes:
+        shape: Global shape of the round's array: the variable's, with the
+            exchange dimension cut to one piece of every part.
+        offset: Where the round's piece starts inside each part.
+        blocks: This process's distinct blocks of the round's array
+            (`index`), each read from the variable's block `read_index`.
+        strategy: How they are read (see the module doc).
+        read_bytes: Bytes this process reads for the round.
+        union: The box the blocks tile (`"read_union"` only).
+    """
+
+    shape: tuple[int, ...]
+    offset: int
+    blocks: tuple[Block, ...]
+    strategy: str
+    read_bytes: int
+    union: Index | None = None
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Read once per job, then exchange on the device interconnect.
+
+    A block held by devices of several processes (a data-parallel axis that
+    spans hosts; a replicated variable) would be read once by each of them.
+    Instead its `parts` along dimension `dim` are spread over the
+    processes' devices (the mesh axes that span processes are added to that
+    dimension's entry: `spec`), each process reads only its devices' parts,
+    and one SPMD program per round gathers them into the variable's final
+    sharding, updating it in place. Rounds keep the moment's extra device
+    memory at one round's pieces.
+
+    Attributes:
+        spec: Partition spec of the parts (the read source's coordinates).
+        dim: The dimension the parts split.
+        parts: How many parts `dim` is cut into.
+        rounds: The rounds, in order.
+    """
+
+    spec: tuple[AxisEntry, ...]
+    dim: int
+    parts: int
+    rounds: tuple[Round, ...]
+
+
+@dataclass(frozen=True)
 class VariablePlan:
     """How one variable is read and placed on this process.
 
@@ -162,6 +218,9 @@ class VariablePlan:
             `read_source` coordinates.
         device_perm: Set when the values are `transpose(read_source, perm)`
             done on the devices (see the module doc).
+        exchange: Set when blocks that devices of several processes hold
+            are read once per job and exchanged (`Exchange`); `blocks` are
+            then the final blocks, read in the exchange's rounds.
     """
 
     path: str
@@ -175,6 +234,7 @@ class VariablePlan:
     read_bytes: int
     union: Index | None = None
     device_perm: tuple[int, ...] | None = None
+    exchange: Exchange | None = None
 
     @property
     def read_source(self) -> TensorSource:
@@ -265,11 +325,79 @@ def _device_perm(source: TensorSource, block_shape: Sequence[int], dtype: Any) -
     return source.perm
 
 
+def cross_process_axes(mesh: Any) -> tuple[str, ...]:
+    """Mesh axes along which devices belong to different processes."""
+    grid = np.asarray(mesh.devices)
+    processes = np.vectorize(lambda d: d.process_index)(grid)
+    return tuple(
+        name for i, name in enumerate(mesh.axis_names)
+        if (np.diff(processes, axis=i) != 0).any()
+    )
+
+
+def _rounds_for(piece_rows: int, block_bytes: int) -> int:
+    """How many rounds exchange a block: enough that one round moves at most
+    `EXCHANGE_ROUND_BYTES` (or 1/`EXCHANGE_MAX_ROUNDS` of it), a divisor of
+    the rows of each part."""
+    wanted = min(-(-block_bytes // EXCHANGE_ROUND_BYTES), EXCHANGE_MAX_ROUNDS, piece_rows)
+    return next(r for r in range(max(wanted, 1), piece_rows + 1) if piece_rows % r == 0)
+
+
+def _plan_exchange(
+    source: TensorSource,
+    spec: tuple[AxisEntry, ...],
+    target_dtype: np.dtype,
+    mesh: Any,
+    process_index: int,
+    cross: tuple[str, ...],
+    mesh_order: dict[int, int],
+) -> Exchange | None:
+    """The `Exchange` of a variable whose blocks devices of several
+    processes hold, or `None` when no dimension can take the parts."""
+    sizes = dict(zip(tuple(mesh.axis_names), np.asarray(mesh.devices).shape))
+    used = {a for entry in spec for a in specs.entry_axes(entry)}
+    spreading = tuple(a for a in cross if a not in used)
+    if not spreading:
+        return None
+    shape = tuple(source.shape)
+    for dim in range(len(shape)):
+        axes = specs.entry_axes(spec[dim]) + spreading
+        parts = math.prod(sizes[a] for a in axes)
+        if shape[dim] % parts == 0 and shape[dim] // parts > 0:
+            break
+    else:
+        return None
+    staged = spec[:dim] + (axes if len(axes) > 1 else axes[0],) + spec[dim + 1 :]
+    part_rows = shape[dim] // parts
+    final_block = [b - a for a, b in next(iter(block_indices(shape, spec, mesh).values()))]
+    rounds_count = _rounds_for(part_rows, math.prod(final_block) * target_dtype.itemsize)
+    piece = part_rows // rounds_count
+    round_shape = shape[:dim] + (shape[dim] // rounds_count,) + shape[dim + 1 :]
+    rounds = []
+    for r in range(rounds_count):
+        grouped: dict[Index, list[int]] = {}
+        for device, index in block_indices(round_shape, staged, mesh).items():
+            if device.process_index == process_index:
+                grouped.setdefault(index, []).append(device.id)
+        blocks = []
+        for index, ids in grouped.items():
+            ids.sort(key=mesh_order.__getitem__)
+            start = index[dim][0] // piece * part_rows + r * piece
+            read_index = index[:dim] + ((start, start + piece),) + index[dim + 1 :]
+            runs = source.stored.block_runs(read_index) if source.stored is not None else None
+            blocks.append(Block(index, tuple(ids), runs, read_index))
+        blocks.sort(key=lambda b: (b.index, mesh_order[b.device_ids[0]]))
+        strategy, read_bytes, union = _choose_strategy(source, blocks) if blocks else ("direct", 0, None)
+        rounds.append(Round(round_shape, r * piece, tuple(blocks), strategy, read_bytes, union))
+    return Exchange(staged, dim, parts, tuple(rounds))
+
+
 def plan_load(
     requests: Sequence[VariableRequest],
     mesh: Any,
     *,
     process_index: int = 0,
+    exchange: bool = True,
 ) -> LoadPlan:
     """Plans what process `process_index` reads and where each block goes.
 
@@ -281,6 +409,9 @@ def plan_load(
             `process_index`).
         process_index: The process to plan for: only devices with this
             `process_index` are considered.
+        exchange: Read blocks that devices of several processes hold once
+            per job and exchange them (`Exchange`); else each process reads
+            them itself.
 
     Returns:
         A `LoadPlan`.
@@ -288,6 +419,7 @@ def plan_load(
     grid = np.asarray(mesh.devices)
     axis_sizes = dict(zip(tuple(mesh.axis_names), grid.shape))
     mesh_order = {d.id: i for i, d in enumerate(grid.flat)}
+    cross = cross_process_axes(mesh) if exchange else ()
     variables = []
     for request in requests:
         source = request.source
@@ -312,6 +444,16 @@ def plan_load(
         blocks.sort(key=lambda b: (b.index, mesh_order[b.device_ids[0]]))
         strategy, read_bytes, union = _choose_strategy(read_source, blocks)
         spec = tuple(request.spec) + (None,) * (len(shape) - len(tuple(request.spec)))
+        exchanged = None
+        if cross and blocks:
+            read_spec = spec if perm is None else tuple(spec[perm.index(i)] for i in range(len(spec)))
+            exchanged = _plan_exchange(
+                read_source, read_spec, np.dtype(request.target_dtype), mesh, process_index,
+                cross, mesh_order,
+            )
+            if exchanged is not None:
+                strategy = "exchange"
+                read_bytes = sum(r.read_bytes for r in exchanged.rounds)
         variables.append(
             VariablePlan(
                 path=request.path,
@@ -325,6 +467,7 @@ def plan_load(
                 read_bytes=read_bytes if blocks else 0,
                 union=union,
                 device_perm=perm,
+                exchange=exchanged,
             )
         )
     return LoadPlan(tuple(variables), process_index, axis_sizes)

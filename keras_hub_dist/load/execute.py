@@ -3,12 +3,13 @@
 The thin second phase of loading. For every variable of the plan:
 
 1. each distinct local block is read into a fresh, 64-byte-aligned host
-   buffer that nothing else references: `os.preadv` of its exact byte runs
-   when the checkpoint stores the variable as it is (or scatter reads of the
-   file's contiguous stretches into several blocks' buffers at once, see
-   `block_plan`), else the checkpoint format's own `TensorSource.read` (per
-   block, or once for the box the local blocks tile); then cast to the
-   variable's dtype on the host, block by block;
+   buffer that nothing else references: its exact byte runs when the
+   checkpoint stores the variable as it is (`preadv` per block, or the
+   file's contiguous stretches read into several blocks' buffers at once;
+   a remote file always the latter, one range request per stretch, see
+   `block_plan` and `formats.ranged_http`), else the checkpoint format's own
+   `TensorSource.read` (per block, or once for the box the local blocks
+   tile); then cast to the variable's dtype on the host, block by block;
 2. the buffer goes to the first device that holds the block
    (`jax.device_put`; on CPU this may alias the buffer, which is safe because
    the loader drops it at once) and is copied device-to-device to the other
@@ -18,7 +19,19 @@ The thin second phase of loading. For every variable of the plan:
    `jax.make_array_from_single_device_arrays` into the variable's final
    sharding (for a planned device transpose, into its input's sharding, then
    one SPMD transpose program gives the final array) and handed to
-   `on_variable`.
+   `on_variable`. A variable planned as an `Exchange` (blocks that devices of
+   several processes hold) is instead born as zeros in its sharding and
+   filled round by round: each round's parts, read by the processes that
+   hold them, are gathered across the processes' devices and written in
+   place by one SPMD program (the array is donated), so no device holds
+   more than the variable plus one round's pieces.
+
+Reading runs ahead: worker threads read whole variables, in plan order, while
+the caller places earlier ones (at most `PREFETCH_BYTES` read ahead), so
+reading, host transforms and device work overlap; a remote load reads up to
+`concurrency` variables at once. A failure stops the read-ahead (no variable
+starts after it), waits for the reads in flight, and deletes every array
+created.
 
 No full tensor is ever put on one device (unless the variable is replicated),
 no file is memory-mapped, and nothing returned depends on the file: the
@@ -28,9 +41,10 @@ checkpoint can be deleted or overwritten as soon as this returns.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +56,8 @@ import numpy as np
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats.base import Index
 from keras_hub_dist.formats import host_io
-from keras_hub_dist.formats.host_io import aligned_empty, read_runs
-from keras_hub_dist.load.block_plan import Block, LoadPlan, VariablePlan
+from keras_hub_dist.formats.host_io import aligned_empty
+from keras_hub_dist.load.block_plan import Block, LoadPlan, Round, VariablePlan
 
 __all__ = ["ExecuteStats", "execute_plan"]
 
@@ -51,6 +65,11 @@ __all__ = ["ExecuteStats", "execute_plan"]
 # in flight stay alive until they finish. Wait once this many bytes are
 # pending, so host memory stays bounded by it.
 _MAX_PENDING_BYTES = 1 << 30
+# Host bytes read ahead of the variable being placed (see `_Prefetch`).
+PREFETCH_BYTES = 1 << 30
+# A scattered variable's stretches are read this many bytes at a time (all
+# of a window's requests in flight together for a remote file).
+_SCATTER_WINDOW_BYTES = 256 << 20
 
 
 @dataclass
@@ -87,13 +106,22 @@ def _cut(whole: np.ndarray, box: Index, index: Index, dtype: np.dtype) -> np.nda
     return out
 
 
-def _read_direct(fds: host_io.FileDescriptors, var: VariablePlan, block: Block, stats: ExecuteStats) -> np.ndarray:
+def _file(readers: host_io.Readers, var: VariablePlan) -> Any:
+    stored = var.read_source.stored
+    return readers(stored.file, stored.opened)
+
+
+def _is_remote(readers: host_io.Readers, var: VariablePlan) -> bool:
+    return not isinstance(_file(readers, var), host_io.LocalFile)
+
+
+def _read_direct(readers: host_io.Readers, var: VariablePlan, block: Block, stats: ExecuteStats) -> np.ndarray:
     host = aligned_empty(block.read_shape, var.source_dtype)
-    read_runs(fds(var.read_source.stored.file), block.runs, host, stats.add_read)
+    _file(readers, var).read_stretches(host_io.run_stretches(block.runs, host), stats.add_read)
     return _cast(host, var.target_dtype)
 
 
-def _read_source(fds: host_io.FileDescriptors, var: VariablePlan, block: Block, stats: ExecuteStats) -> np.ndarray:
+def _read_source(readers: host_io.Readers, var: VariablePlan, block: Block, stats: ExecuteStats) -> np.ndarray:
     source, index = var.read_source, block.read_index or block.index
     host = source.read(index)
     if host.shape != block.read_shape or host.dtype != var.source_dtype:
@@ -112,6 +140,36 @@ def _transposer(perm: tuple[int, ...], sharding: jax.sharding.Sharding) -> Calla
     return jax.jit(functools.partial(jnp.transpose, axes=perm), out_shardings=sharding)
 
 
+@functools.lru_cache(maxsize=None)
+def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A zero array born in `sharding` (each device allocates its block)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _exchanger(
+    shape: tuple[int, ...], dim: int, parts: int, piece: int, sharding: jax.sharding.Sharding
+) -> Callable[[jax.Array, jax.Array, int], jax.Array]:
+    """One SPMD program per round of an `Exchange`: the round's pieces,
+    gathered across the processes' devices, written in place (the array is
+    donated) at `offset` inside every part of dimension `dim`."""
+    view = shape[:dim] + (parts, shape[dim] // parts) + shape[dim + 1 :]
+    view_spec = tuple(sharding.spec) + (None,) * (len(shape) - len(tuple(sharding.spec)))
+    view_spec = view_spec[:dim] + (view_spec[dim], None) + view_spec[dim + 1 :]
+    view_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*view_spec))
+
+    def update(array: jax.Array, pieces: jax.Array, offset: jax.Array) -> jax.Array:
+        whole = jax.lax.with_sharding_constraint(array.reshape(view), view_sharding)
+        gathered = jax.lax.with_sharding_constraint(
+            pieces.reshape(view[:dim] + (parts, piece) + view[dim + 2 :]), view_sharding
+        )
+        start = [0] * len(view)
+        start[dim + 1] = offset
+        return jax.lax.dynamic_update_slice(whole, gathered, start).reshape(shape)
+
+    return jax.jit(update, donate_argnums=0, out_shardings=sharding)
+
+
 def _input_sharding(sharding: jax.sharding.Sharding, perm: tuple[int, ...]) -> jax.sharding.Sharding:
     """The sharding of a transpose's input whose output has `sharding`."""
     spec = tuple(sharding.spec) + (None,) * (len(perm) - len(tuple(sharding.spec)))
@@ -121,17 +179,23 @@ def _input_sharding(sharding: jax.sharding.Sharding, perm: tuple[int, ...]) -> j
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*moved))
 
 
-def _read_scatter(fds: host_io.FileDescriptors, var: VariablePlan, stats: ExecuteStats) -> Iterator[tuple[Block, np.ndarray]]:
-    """Reads each contiguous stretch of the file with one `preadv` whose iovecs
-    point into the blocks' buffers; yields blocks as they complete."""
-    fd = fds(var.read_source.stored.file)
+def _read_scatter(readers: host_io.Readers, var: VariablePlan, stats: ExecuteStats) -> Iterator[tuple[Block, np.ndarray]]:
+    """Reads each contiguous stretch of the file into the blocks' buffers
+    (iovecs pointing into them: one `preadv`, or one range request, per
+    stretch), a window of stretches at a time; yields blocks as they
+    complete."""
+    file = _file(readers, var)
     offsets, lengths, owners, targets = host_io.sorted_pieces([b.runs for b in var.blocks])
     left = [0] * len(var.blocks)
     for b in owners:
         left[b] += 1
     hosts: dict[int, np.ndarray] = {}
     views: dict[int, memoryview] = {}
-    for i, j in host_io.contiguous_groups(offsets, lengths):
+    window: list[tuple[int, list[memoryview]]] = []
+    window_pieces: list[int] = []
+    window_bytes = 0
+    groups = list(host_io.contiguous_groups(offsets, lengths, *file.stretch_limits))
+    for number, (i, j) in enumerate(groups):
         iovecs: list[memoryview] = []
         for k in range(i, j):
             b = owners[k]
@@ -139,29 +203,37 @@ def _read_scatter(fds: host_io.FileDescriptors, var: VariablePlan, stats: Execut
                 hosts[b] = aligned_empty(var.blocks[b].read_shape, var.source_dtype)
                 views[b] = memoryview(hosts[b].reshape(-1).view(np.uint8))
             iovecs.append(views[b][targets[k] : targets[k] + lengths[k]])
-        size = sum(lengths[i:j])
-        stats.add_read(size, host_io.preadv_full(fd, iovecs, offsets[i]))
-        del iovecs
-        for k in range(i, j):
+        window.append((offsets[i], iovecs))
+        window_pieces.extend(range(i, j))
+        window_bytes += sum(lengths[i:j])
+        if window_bytes < _SCATTER_WINDOW_BYTES and number + 1 < len(groups):
+            continue
+        file.read_stretches(window, stats.add_read)
+        window, window_bytes = [], 0
+        for k in window_pieces:
             b = owners[k]
             left[b] -= 1
             if not left[b]:
                 del views[b]
                 yield var.blocks[b], _cast(hosts.pop(b), var.target_dtype)
+        window_pieces = []
     for block in var.blocks:  # Blocks of zero bytes.
         if not block.runs.num_runs:
             yield block, aligned_empty(block.read_shape, var.target_dtype)
 
 
 def _host_blocks(
-    fds: host_io.FileDescriptors,
+    readers: host_io.Readers,
     var: VariablePlan,
     stats: ExecuteStats,
     pool: ThreadPoolExecutor | None,
     num_threads: int,
 ) -> Iterator[tuple[Block, np.ndarray]]:
-    if var.strategy == "scatter":
-        yield from _read_scatter(fds, var, stats)
+    if var.strategy == "scatter" or (var.strategy == "direct" and _is_remote(readers, var)):
+        # Remote blocks are fetched as the file's contiguous stretches (one
+        # range request each, cut into chunks that run concurrently), not a
+        # request per block.
+        yield from _read_scatter(readers, var, stats)
         return
     if var.strategy == "read_union":
         whole = var.read_source.read(var.union)
@@ -172,22 +244,138 @@ def _host_blocks(
     read = _read_direct if var.strategy == "direct" else _read_source
     if pool is None or len(var.blocks) < 2:
         for block in var.blocks:
-            yield block, read(fds, var, block, stats)
+            yield block, read(readers, var, block, stats)
         return
     if var.read_source.stored is not None:
-        fds(var.read_source.stored.file)  # opened here, not racing in the threads
-    # A few blocks in flight: reads overlap (the GIL is released in preadv and
-    # page faults), while host memory stays bounded by the window.
+        _file(readers, var)  # opened here, not racing in the threads
+    # A few blocks in flight: reads overlap (the GIL is released in preadv,
+    # page faults and network reads), while host memory stays bounded by the
+    # window.
     window: collections.deque = collections.deque()
-    blocks = iter(var.blocks)
-    for block in blocks:
-        window.append((block, pool.submit(read, fds, var, block, stats)))
+    for block in var.blocks:
+        window.append((block, pool.submit(read, readers, var, block, stats)))
         if len(window) > num_threads:
             done_block, future = window.popleft()
             yield done_block, future.result()
     while window:
         done_block, future = window.popleft()
         yield done_block, future.result()
+
+
+class _Placer:
+    """Puts host blocks on their devices: the first holder by `device_put`,
+    the others by a device-to-device copy (a replicated block is read once
+    per process)."""
+
+    def __init__(self, devices: Mapping[int, Any], stats: ExecuteStats) -> None:
+        self.devices = devices
+        self.stats = stats
+        self.on_cpu = all(d.platform == "cpu" for d in devices.values())
+        self.pending: list[jax.Array] = []
+        self.pending_bytes = 0
+
+    def place_all(self, host_blocks: list[tuple[Block, np.ndarray]]) -> list[jax.Array]:
+        """Every block on every device that holds it, in block order; the
+        host buffers are dropped as they go."""
+        per_device: list[jax.Array] = []
+        while host_blocks:
+            block, host = host_blocks.pop(0)
+            first = jax.device_put(host, self.devices[block.device_ids[0]])
+            per_device.append(first)
+            for device_id in block.device_ids[1:]:
+                per_device.append(jax.device_put(first, self.devices[device_id]))
+                self.stats.device_copies += 1
+            self.stats.blocks += 1
+            if not self.on_cpu:
+                self.pending.append(first)
+                self.pending_bytes += host.nbytes
+                if self.pending_bytes >= _MAX_PENDING_BYTES:
+                    jax.block_until_ready(self.pending)
+                    self.pending, self.pending_bytes = [], 0
+            del host
+        return per_device
+
+
+def _round_view(var: VariablePlan, round_: Round) -> VariablePlan:
+    """The variable as one exchange round reads it."""
+    return dataclasses.replace(
+        var, blocks=round_.blocks, strategy=round_.strategy, union=round_.union, exchange=None
+    )
+
+
+def _exchange(
+    var: VariablePlan,
+    rounds: list[tuple[Round, list[tuple[Block, np.ndarray]]]],
+    sharding: jax.sharding.Sharding,
+    placer: _Placer,
+    created: list[jax.Array],
+) -> jax.Array:
+    """The variable's array (in its read source's coordinates, `sharding`)
+    from the pieces this process read, gathered round by round in place."""
+    exchange = var.exchange
+    shape = tuple(var.read_source.shape)
+    array = _zeros(shape, var.target_dtype, sharding)()
+    created.append(array)  # deleted if a round fails
+    pieces_sharding = jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*exchange.spec)
+    )
+    piece = shape[exchange.dim] // exchange.parts // len(exchange.rounds)
+    update = _exchanger(shape, exchange.dim, exchange.parts, piece, sharding)
+    for round_, host_blocks in rounds:
+        pieces = jax.make_array_from_single_device_arrays(
+            round_.shape, pieces_sharding, placer.place_all(host_blocks)
+        )
+        created[-1] = array = update(array, pieces, round_.offset)
+        pieces.delete()
+    created.pop()
+    return array
+
+
+class _Prefetch:
+    """Reads whole variables ahead on worker threads, in plan order, while
+    the caller places earlier ones: reading, host transforms and device
+    work overlap. At most `max_bytes` of read-but-unplaced host blocks are
+    in flight beyond the variable being placed."""
+
+    def __init__(self, variables: Sequence[VariablePlan], produce: Callable[[VariablePlan], list], workers: int, max_bytes: int) -> None:
+        self._variables = list(variables)
+        self._produce = produce
+        self._pool = ThreadPoolExecutor(max(1, workers), "keras_hub_dist-prefetch")
+        self._max_bytes = max_bytes
+        self._futures: collections.deque = collections.deque()
+        self._next = 0
+        self._in_flight = 0
+        self.stopped = threading.Event()
+
+    def _fill(self) -> None:
+        while self._next < len(self._variables) and (
+            not self._futures or self._in_flight + self._variables[self._next].read_bytes <= self._max_bytes
+        ):
+            var = self._variables[self._next]
+            self._futures.append((var, self._pool.submit(self._run, var)))
+            self._in_flight += var.read_bytes
+            self._next += 1
+
+    def __iter__(self) -> Iterator[tuple[VariablePlan, Any]]:
+        self._fill()
+        while self._futures:
+            var, future = self._futures.popleft()
+            self._in_flight -= var.read_bytes
+            self._fill()
+            yield var, future
+
+    def _run(self, var: VariablePlan) -> list:
+        # A failed load stops here: no variable starts reading after it.
+        if self.stopped.is_set():
+            raise PresetError("the load stopped")
+        return self._produce(var)
+
+    def close(self) -> None:
+        self.stopped.set()
+        for _, future in self._futures:
+            future.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._futures.clear()
 
 
 def execute_plan(
@@ -198,6 +386,9 @@ def execute_plan(
     *,
     progress: Any = None,
     num_threads: int = 2,
+    prefetch_threads: int | None = None,
+    prefetch_bytes: int = PREFETCH_BYTES,
+    on_failure: Callable[[], None] | None = None,
 ) -> ExecuteStats:
     """Reads and places every variable of `plan`, calling `on_variable` per one.
 
@@ -211,7 +402,14 @@ def execute_plan(
         progress: A progress bar (`tqdm`) advanced by the bytes read and
             closed at the end.
         num_threads: Blocks of a variable read concurrently (`"direct"`
-            strategy); 1 reads everything in the calling thread.
+            strategy); 1 reads each variable's blocks one after another.
+        prefetch_threads: Variables read ahead concurrently while earlier
+            ones are placed (default `num_threads`; remote checkpoints use
+            more, as their reads wait on the network).
+        prefetch_bytes: The most host bytes read ahead of the variable being
+            placed.
+        on_failure: Called first when the load fails, before waiting for
+            the reads in flight (e.g. to stop a remote client's retries).
 
     Returns:
         `ExecuteStats` of this process.
@@ -222,48 +420,43 @@ def execute_plan(
             so a failed load leaves no device memory behind.
     """
     stats = ExecuteStats()
-    fds = host_io.FileDescriptors()
+    readers = host_io.Readers()
     created: list[jax.Array] = []
-    pending: list[jax.Array] = []
-    pending_bytes = 0
     reported = 0
-    on_cpu = all(d.platform == "cpu" for d in devices.values())
+    placer = _Placer(devices, stats)
     pool = ThreadPoolExecutor(num_threads, "keras_hub_dist-read") if num_threads > 1 else None
+
+    def produce(var: VariablePlan) -> Any:
+        if var.exchange is None:
+            return list(_host_blocks(readers, var, stats, pool, num_threads))
+        return [
+            (r, list(_host_blocks(readers, _round_view(var, r), stats, pool, num_threads)))
+            for r in var.exchange.rounds
+        ]
+
+    prefetch = _Prefetch(plan.variables, produce, prefetch_threads or num_threads, prefetch_bytes)
     try:
-        for var in plan.variables:
+        for var, future in prefetch:
             try:
-                per_device: list[jax.Array] = []
-                for block, host in _host_blocks(fds, var, stats, pool, num_threads):
-                    first = jax.device_put(host, devices[block.device_ids[0]])
-                    per_device.append(first)
-                    for device_id in block.device_ids[1:]:
-                        per_device.append(jax.device_put(first, devices[device_id]))
-                        stats.device_copies += 1
-                    stats.blocks += 1
-                    if progress is not None:
-                        progress.update(stats.bytes_read - reported)
-                        reported = stats.bytes_read
-                    if not on_cpu:
-                        pending.append(first)
-                        pending_bytes += host.nbytes
-                        if pending_bytes >= _MAX_PENDING_BYTES:
-                            jax.block_until_ready(pending)
-                            pending, pending_bytes = [], 0
-                    del host
-                if var.device_perm is None:
+                read_sharding = shardings[var.path]
+                if var.device_perm is not None:
+                    read_sharding = _input_sharding(read_sharding, var.device_perm)
+                if var.exchange is None:
+                    per_device = placer.place_all(future.result())
                     array = jax.make_array_from_single_device_arrays(
-                        var.shape, shardings[var.path], per_device
+                        var.read_source.shape, read_sharding, per_device
                     )
+                    del per_device
                 else:
-                    perm = var.device_perm
-                    untransposed = jax.make_array_from_single_device_arrays(
-                        var.read_source.shape, _input_sharding(shardings[var.path], perm), per_device
-                    )
-                    del per_device[:]
-                    array = _transposer(perm, shardings[var.path])(untransposed)
+                    array = _exchange(var, future.result(), read_sharding, placer, created)
+                if progress is not None:
+                    progress.update(stats.bytes_read - reported)
+                    reported = stats.bytes_read
+                if var.device_perm is not None:
+                    untransposed = array
+                    array = _transposer(var.device_perm, shardings[var.path])(untransposed)
                     untransposed.delete()
                 created.append(array)
-                del per_device
                 on_variable(var, array)
             except PresetError as e:
                 raise PresetError(f"Loading variable {var.path!r} failed: {e}") from e
@@ -276,6 +469,9 @@ def execute_plan(
                 ) from e
         jax.block_until_ready(created)
     except BaseException:
+        if on_failure is not None:
+            on_failure()
+        prefetch.close()
         for array in created:
             try:
                 array.delete()
@@ -283,9 +479,10 @@ def execute_plan(
                 pass
         raise
     finally:
+        prefetch.close()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        fds.close()
+        readers.close()
         if progress is not None:
             progress.close()
     return stats

@@ -6,7 +6,7 @@ reads each tensor whole into host memory, puts it whole on device 0 and only
 then re-shards it. `load_sharded_preset` instead:
 
 1. builds the backbone from the preset's `config.json` with every variable
-   created without a value (`plan.abstract.build_without_values`):
+   created without a value (`plan.build.build_without_values`):
    no weight is generated;
 2. indexes the checkpoint through its format module (`keras_hub_dist.formats`:
    which tensor holds which variable, at which byte offset) and validates
@@ -42,6 +42,7 @@ keras.distribution.distribution()  # -> the ModelParallel used to load
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -56,15 +57,22 @@ from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
+from keras_hub_dist.formats.locations import Location, is_remote, open_location
+from keras_hub_dist.formats.ranged_http import DEFAULT_CONCURRENCY, RangeClient
 from keras_hub_dist.formats.transforms import fallbacks
+from keras_hub_dist.load import quantized
 from keras_hub_dist.load.block_plan import LoadPlan, VariableRequest, plan_load
 from keras_hub_dist.load.execute import ExecuteStats, execute_plan
 from keras_hub_dist.load.report import LoadReport
-from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
+from keras_hub_dist.load.source import PresetSource, read_config, read_metadata, resolve_source
 from keras_hub_dist.load.tasks import build_task, task_class
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.measure.memory import MemorySampler
+from keras_hub_dist.plan.build import build_without_values
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
 from keras_hub_dist.plan.mesh import jax_mesh
+from keras_hub_dist.plan import quantization
+from keras_hub_dist.plan.quantization import check_quantize_arguments
+from keras_hub_dist.plan.quantized_layouts import QuantizationAwareModelParallel
 from keras_hub_dist.plan.model_layouts import (
     default_layout_map,
     user_layout_map,
@@ -88,6 +96,9 @@ def load_sharded_preset(
     task_kwargs: Mapping[str, Any] | None = None,
     num_threads: int = 2,
     verify: bool = False,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    cache_dir: str | os.PathLike | None = None,
+    quantize: str | None = None,
 ) -> keras.Model | tuple[keras.Model, LoadReport]:
     """Loads a KerasHub preset directly into its final sharding.
 
@@ -106,15 +117,19 @@ def load_sharded_preset(
     own with `keras.distribution.set_distribution(...)` if needed.
 
     Args:
-        preset: A local KerasHub preset directory, a KerasHub preset name or
-            handle (`"gemma_7b_en"`, `"kaggle://..."`, `"hf://..."`, resolved
-            and cached by KerasHub's downloader), or a keras_hub_dist
-            architecture name (`keras_hub_dist.presets.names()`, e.g.
-            `"gemma2_7b"`). Hugging Face checkpoints (a directory with a
-            Transformers `config.json` and `model.safetensors` or
-            `model.safetensors.index.json` + shards, or an `"hf://owner/name"`
-            handle) load the same way, converted block by block exactly as
-            KerasHub's converter would (`keras_hub_dist.formats.huggingface`).
+        preset: A local KerasHub preset directory; a remote one, read by
+            byte ranges with each process fetching only its own devices'
+            bytes (`"s3://bucket/path"`, `"gs://bucket/path"`,
+            `"hf://owner/name[@revision]"`, `"https://host/path"`; see
+            README "Remote checkpoints"); a KerasHub preset name or handle
+            (`"gemma_7b_en"`, `"kaggle://..."`, downloaded whole by
+            KerasHub's downloader); or a keras_hub_dist architecture name
+            (`keras_hub_dist.presets.names()`, e.g. `"gemma2_7b"`). Hugging
+            Face checkpoints (a Transformers `config.json` and
+            `model.safetensors` or `model.safetensors.index.json` + shards,
+            local or remote) load the same way, converted block by block
+            exactly as KerasHub's converter would
+            (`keras_hub_dist.formats.huggingface`).
         mesh: `None` (all devices on the model axis: `(1, n)`), a
             `keras.distribution.DeviceMesh`, a `jax.sharding.Mesh`, a shape
             `(batch, model)` such as `(2, 4)`, or a dict such as
@@ -123,8 +138,8 @@ def load_sharded_preset(
             available, else KerasHub's `get_layout_map`), a
             `keras.distribution.LayoutMap`, a dict `{path regex: axes}`, or a
             callable `device_mesh -> LayoutMap`.
-        dtype: Dtype (policy) of the model, e.g. `"bfloat16"`; weights are
-            cast block by block on the host. Default: as with
+        dtype: Float dtype (policy) of the model, e.g. `"bfloat16"`; weights
+            are cast block by block on the host. Default: as with
             `Backbone.from_preset`, Keras's global dtype policy
             (`keras.config.dtype_policy()`, float32 unless set), whatever
             dtype the preset was saved in.
@@ -146,34 +161,50 @@ def load_sharded_preset(
             Hugging Face checkpoint's `model.safetensors.index.json`) before any
             device memory is used (a full read of the files, split over the
             processes). A preset without checksums is an error then.
+        concurrency: Range requests in flight at once for a remote preset
+            (each at most 16 MiB).
+        cache_dir: For a remote preset, where the small files KerasHub's
+            task loaders read from disk (config, tokenizer) are kept;
+            default: a temporary directory removed after the load. Weight
+            files are never written to disk.
+        quantize: `"int8"` or `"int4"` to get the model `model.quantize(mode)`
+            gives, bitwise, without the float model ever on a device: each
+            quantized block is computed on the host from the float block as
+            it is read (Keras's own NumPy steps), and only quantized blocks
+            are placed. `dtype` stays the float dtype (scales, activations).
+            A quantized preset (saved after `quantize`) loads as it is,
+            without this argument.
 
     Returns:
         The backbone (or task) model, or `(model, LoadReport)` with
         `memory_report=True`.
 
     Raises:
-        PresetError: Missing or truncated weights file; with `verify=True`,
+        PresetError: A dtype that is not a float dtype (quantized weights
+            come from quantizing after the load); missing or truncated weights file; with `verify=True`,
             bytes that differ from the recorded checksums; variables missing
             from or extra in it; shape or dtype mismatch (the message names
             the path, expected and on-disk values); an unsupported
             architecture; an unknown task.
         LayoutError: Mesh axis names the layout map does not use, or a
             dimension the mesh does not divide (the message names the
-            variable and suggests a mesh that works).
+            variable and suggests a mesh that works; for int4, the packed
+            axis).
+        QuantizationError: An unknown `quantize` mode, one this Keras lacks,
+            or a `dtype` it cannot take (e.g. `dtype="int8"`).
     """
     if memory_report:
-        # Imported here: measuring is optional and lives with validation.
-        from keras_hub_dist.validate import memory
-
-        sampler = memory.MemorySampler()
+        sampler = MemorySampler()
     else:
         sampler = contextlib.nullcontext()
     start = time.perf_counter()
+    options = _Options(
+        mesh, layout_map, dtype, task, progress, model_axis, data_axis,
+        dict(task_kwargs or {}), num_threads, verify, concurrency,
+        None if cache_dir is None else os.fspath(cache_dir), quantize,
+    )
     with sampler:
-        model, plan, stats, index, label = _load(
-            preset, mesh, layout_map, dtype, task, progress, model_axis, data_axis,
-            dict(task_kwargs or {}), num_threads, verify,
-        )
+        model, plan, stats, index, label = _load(preset, options)
     wall = time.perf_counter() - start
     if not memory_report:
         return model
@@ -207,26 +238,61 @@ def _variable_bytes(var: Any) -> int:
     return math.prod(var.shape) * var.target_dtype.itemsize
 
 
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """`load_sharded_preset`'s arguments, as the phases of a load use them."""
+
+    mesh: Any
+    layout_map: Any
+    dtype: Any
+    task: Any
+    progress: bool | None
+    model_axis: str
+    data_axis: str
+    task_kwargs: dict[str, Any]
+    num_threads: int
+    verify: bool
+    concurrency: int
+    cache_dir: str | None
+    quantize: str | None
+
+
 def _load(
-    preset: Any,
-    mesh: Any,
-    layout_map: Any,
-    dtype: Any,
-    task: Any,
-    progress: bool | None,
-    model_axis: str,
-    data_axis: str,
-    task_kwargs: dict[str, Any],
-    num_threads: int,
-    verify: bool,
+    preset: Any, options: _Options
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     # Phase 1: resolve and validate; no device memory is used.
+    mode = check_quantize_arguments(options.quantize, options.dtype)
     source = resolve_source(preset)
-    config = read_config(source)
+    client = None
+    if is_remote(source.ref):
+        client = RangeClient(options.concurrency, process_index=jax.process_index())
+    try:
+        with open_location(
+            source.ref, source.label, client=client, cache_dir=options.cache_dir
+        ) as location:
+            return _load_from(source, location, client, options, mode)
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _load_from(
+    source: PresetSource,
+    location: Location,
+    client: RangeClient | None,
+    options: _Options,
+    mode: str | None,
+) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
+    mesh, layout_map, model_axis, data_axis = (
+        options.mesh, options.layout_map, options.model_axis, options.data_axis
+    )
+    # A remote load's reads wait on the network: more of them run ahead.
+    read_ahead = options.num_threads if client is None else max(options.num_threads, options.concurrency)
+    config = read_config(location)
     checkpoint = checkpoint_format(config, source.label)
     backbone_cls, backbone_config = checkpoint.backbone_config(config, source.label)
-    metadata = read_metadata(source)
-    task_cls = task_class(task, backbone_cls, metadata, source.label) if task else None
+    metadata = read_metadata(location)
+    task_cls = task_class(options.task, backbone_cls, metadata, source.label) if options.task else None
     if mesh is None and isinstance(layout_map, keras.distribution.LayoutMap):
         device_mesh = layout_map.device_mesh
     else:
@@ -234,19 +300,29 @@ def _load(
 
     # Exactly what `Backbone.from_preset(preset, dtype=dtype)` does: the
     # argument (None included, i.e. Keras's global dtype policy) replaces the
-    # saved policy.
-    backbone, deferred = build_without_values(backbone_cls, {**backbone_config, "dtype": dtype})
+    # saved policy, except a quantized preset's policy map, which is kept.
+    backbone_config = quantized.preset_config(backbone_config, options.dtype, mode, source.label)
+    backbone, deferred = build_without_values(backbone_cls, backbone_config)
+    _compat.own_dtype_policies(backbone)  # a quantized preset's layers
+    quantizing = None
     try:
-        index = checkpoint.index_checkpoint(backbone, source.ref, source.label, config)
-        if verify:
+        index = checkpoint.index_checkpoint(backbone, location, source.label, config)
+        if options.verify:
             # A Hugging Face checkpoint records them in its index's metadata.
-            recorded = getattr(checkpoint, "checksum_metadata", lambda ref: metadata)(source.ref)
-            checksums.verify_files(index.files, recorded, source.label, num_threads=num_threads)
+            recorded = getattr(checkpoint, "checksum_metadata", lambda location: metadata)(location)
+            checksums.verify_files(
+                index.opened or index.files, recorded, source.label, num_threads=read_ahead
+            )
         if layout_map is None:
             resolved_map = default_layout_map(backbone, device_mesh, model_axis, data_axis)
         else:
             resolved_map = user_layout_map(layout_map, device_mesh)
-        distribution = keras.distribution.ModelParallel(
+        float_map = resolved_map
+        if mode is not None and not quantization.quantized_tensors(backbone):
+            quantizing = quantized.quantize_checkpoint(backbone, index, mode)
+            index, deferred = quantizing.index, quantizing.pending(deferred)
+        resolved_map = quantized.quantized_layout_map(backbone, resolved_map, float_map)
+        distribution = QuantizationAwareModelParallel(
             layout_map=resolved_map,
             batch_dim_name=data_axis if data_axis in device_mesh.axis_names else None,
         )
@@ -263,15 +339,21 @@ def _load(
         # in every layer; the layout, chosen by path, is the same for all.
         variables = {id(p): e.variable for p, e in zip(plan.variables, index.entries)}
 
+        if quantizing is not None:
+            quantized.run_combine(plan, shardings, quantizing.quantizers)
+
         # Phase 2: read and place, straight into the final shardings.
         def fill(var_plan: Any, array: jax.Array) -> None:
             _compat.materialize_deferred_variable(
                 variables[id(var_plan)], array, layouts[var_plan.path]
             )
+            if quantizing is not None:
+                quantizing.filled(variables[id(var_plan)])
 
-        bar = byte_progress(plan.read_bytes, f"Loading {source.short}", progress)
+        bar = byte_progress(plan.read_bytes, f"Loading {source.short}", options.progress)
         stats = execute_plan(
-            plan, shardings, devices, fill, progress=bar, num_threads=num_threads
+            plan, shardings, devices, fill, progress=bar, num_threads=options.num_threads,
+            prefetch_threads=read_ahead, on_failure=None if client is None else client.cancel,
         )
         with distribution.scope():
             # Variables Keras never saves (e.g. seed generator states) get
@@ -282,7 +364,9 @@ def _load(
                     _compat.initialize_pending([v])
             model = backbone
             if task_cls is not None:
-                model = build_task(task_cls, source, backbone, task_kwargs)
+                model = build_task(task_cls, location, backbone, options.task_kwargs)
+            # A later `model.quantize(...)` finds its variables' layouts.
+            distribution.cover(backbone)
     except BaseException:
         for v in deferred:
             value = _compat.variable_array(v)

@@ -1,10 +1,11 @@
 """Where a load reads from: resolving what the user passed, and its JSON files.
 
-`load_sharded_preset` accepts a local directory, a KerasHub preset name or
-handle (`"gemma_7b_en"`, `"kaggle://..."`, `"hf://..."`, resolved and cached
-by KerasHub's own downloader), or a keras_hub_dist architecture name. Typos
-and missing directories are caught here, with the close names, before
-KerasHub's generic "Unknown preset identifier".
+`load_sharded_preset` accepts a local directory, a remote location read by
+byte ranges (`"s3://..."`, `"gs://..."`, `"hf://..."`, `"https://..."`; see
+`formats.locations`), a KerasHub preset name or handle (`"gemma_7b_en"`,
+`"kaggle://..."`, fetched by KerasHub's own downloader), or a keras_hub_dist
+architecture name. Typos and missing directories are caught here, with the
+close names, before KerasHub's generic "Unknown preset identifier".
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError
+from keras_hub_dist.formats.locations import Location
 from keras_hub_dist.plan import presets
 
 __all__ = ["PresetSource", "read_config", "read_metadata", "resolve_source"]
@@ -28,7 +30,8 @@ class PresetSource:
     """A resolved preset.
 
     Attributes:
-        ref: What KerasHub's file getter receives (a local dir or a handle).
+        ref: A local directory, a remote location or a KerasHub handle
+            (`formats.locations.open_location` opens it).
         label: How messages name it.
         short: A short name for the progress bar.
     """
@@ -47,6 +50,13 @@ def _looks_like_path(preset: str) -> bool:
 
 
 def _unknown(preset: str) -> PresetError:
+    if os.path.isfile(preset):
+        return PresetError(
+            f"The preset {preset!r} is a file. Expected a preset directory "
+            "holding config.json and the weights. Received: a file, not a "
+            "directory. Pass the directory it is in, "
+            f"{os.path.dirname(os.path.abspath(preset))!r}, if that is the preset."
+        )
     if _looks_like_path(preset):
         parent = os.path.dirname(os.path.abspath(os.path.expanduser(preset)))
         return PresetError(
@@ -70,9 +80,9 @@ def resolve_source(preset: Any) -> PresetSource:
     """Resolves what the user passed as a preset.
 
     Raises:
-        PresetError: Not a string or path; a directory that does not exist; a
-            name that is neither a KerasHub preset nor a keras_hub_dist
-            architecture (the message lists the closest names).
+        PresetError: Not a string or path; a file, or a directory that does
+            not exist; a name that is neither a KerasHub preset nor a
+            keras_hub_dist architecture (the message lists the closest names).
     """
     if isinstance(preset, os.PathLike):
         preset = os.fspath(preset)
@@ -96,7 +106,7 @@ def resolve_source(preset: Any) -> PresetSource:
     return PresetSource(entry.handle, f"{preset} ({entry.handle})", entry.name)
 
 
-def read_config(source: PresetSource) -> dict[str, Any]:
+def read_config(location: Location) -> dict[str, Any]:
     """The preset's `config.json`.
 
     Raises:
@@ -104,24 +114,25 @@ def read_config(source: PresetSource) -> dict[str, Any]:
             and the line).
     """
     try:
-        path = _compat.preset_file(source.ref, presets.CONFIG_FILE)
+        data = location.read_bytes(presets.CONFIG_FILE)
     except FileNotFoundError as e:
         raise PresetError(
-            f"The preset {source.label!r} has no {presets.CONFIG_FILE}. Expected a "
-            "KerasHub preset (written by `save_to_preset`). Received: "
-            f"{e}"
+            f"The preset {location.label!r} has no {presets.CONFIG_FILE}. Expected a "
+            "KerasHub preset (written by `save_to_preset`) or a Hugging Face "
+            f"checkpoint directory. Received: {e}"
         ) from e
-    config = presets.read_json(path)
+    config = presets.parse_json(data, location.path_of(presets.CONFIG_FILE))
     if not isinstance(config, dict):
         raise PresetError(
-            f"{path!r} holds a JSON {type(config).__name__}. Expected a JSON "
-            "object (a KerasHub or Transformers model config)."
+            f"{location.path_of(presets.CONFIG_FILE)!r} holds a JSON "
+            f"{type(config).__name__}. Expected a JSON object (a KerasHub or "
+            "Transformers model config)."
         )
     return config
 
 
-def read_metadata(source: PresetSource) -> dict[str, Any]:
+def read_metadata(location: Location) -> dict[str, Any]:
     """The preset's `metadata.json`, or `{}` without one."""
-    if not _compat.preset_has_file(source.ref, _METADATA_FILE):
+    if not location.has(_METADATA_FILE):
         return {}
-    return presets.read_json(_compat.preset_file(source.ref, _METADATA_FILE))
+    return presets.parse_json(location.read_bytes(_METADATA_FILE), location.path_of(_METADATA_FILE))

@@ -8,9 +8,8 @@ from typing import Any
 
 import keras
 
-from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.load.source import PresetSource
+from keras_hub_dist.formats.locations import Location
 
 __all__ = ["build_task", "task_class"]
 
@@ -60,13 +59,15 @@ def task_class(task: Any, backbone_cls: type, metadata: Mapping[str, Any], label
 
 
 def build_task(
-    task_cls: type, source: PresetSource, backbone: keras.Model, task_kwargs: Mapping[str, Any]
+    task_cls: type, location: Location, backbone: keras.Model, task_kwargs: Mapping[str, Any]
 ) -> keras.Model:
     # KerasHub's own loader builds the task around our backbone (with the
     # preprocessor / tokenizer assets of the preset) and, with
     # load_weights=False, reads no backbone weight.
-    model = task_cls.from_preset(source.ref, load_weights=False, backbone=backbone, **task_kwargs)
-    if _compat.preset_has_file(source.ref, TASK_WEIGHTS_FILE) and model.has_task_weights():
+    model = task_cls.from_preset(
+        location.keras_hub_dir(), load_weights=False, backbone=backbone, **task_kwargs
+    )
+    if location.has(TASK_WEIGHTS_FILE) and model.has_task_weights():
         # Task heads are small; Keras's own loader places them.
-        model.load_task_weights(_compat.preset_file(source.ref, TASK_WEIGHTS_FILE))
+        model.load_task_weights(location.local_copy(TASK_WEIGHTS_FILE))
     return model

@@ -6,6 +6,8 @@ hand-written layout maps (`layouts`, with the rules of the MoE / hybrid
 families in `family_rules`), automatic layout planning from the
 traced model (`auto_layout`, with `auto_layout_decisions`,
 `auto_layout_report` and the trace in `weight_graph`), the layouts of one
-model on one mesh (`model_layouts`), and abstract builds with per-device
-sizing (`abstract`). Nothing here reads a checkpoint or allocates a weight.
+model on one mesh (`model_layouts`), builds with no weight values and the
+variable specs of a named architecture (`build`), and per-device sizing of
+abstract builds (`abstract`). Nothing here reads a checkpoint or allocates a
+weight.
 """

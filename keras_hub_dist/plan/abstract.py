@@ -1,11 +1,12 @@
 """Build any named architecture without allocating its weights, and size it.
 
 `abstract_backbone` constructs the real KerasHub backbone with every variable
-created inside a `keras.StatelessScope` and never initialized: variables have
-their path, shape and dtype, but no value, so a 27B model is "built" in about
-a second on a laptop. From the shapes alone it reports the parameter count,
-the bytes per dtype and, for a mesh and layout map, the bytes each device
-would hold.
+created inside a `keras.StatelessScope` and never initialized
+(`plan.build.build_abstract`): variables have their path, shape and dtype,
+but no value, so a 27B model is "built" in about a second on a laptop. From
+the shapes alone it reports the parameter count, the bytes per dtype and, for
+a mesh and layout map (the family's, `plan.layouts.get_layout_map`, unless
+given), the bytes each device would hold.
 
 Example:
 
@@ -22,76 +23,28 @@ report.max_device_bytes       # bytes on the most loaded of the 16 devices
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import keras
 
-from keras_hub_dist import _compat
+from keras_hub_dist.plan import layouts
 from keras_hub_dist.plan import presets
 from keras_hub_dist.plan import specs
+from keras_hub_dist.plan.build import VariableSpec, build_abstract, specs_of
 from keras_hub_dist.plan.mesh import axis_sizes, device_ids, device_mesh
 from keras_hub_dist.plan.sizes import itemsize
 
+# Built here before `plan/build.py` held them; callers of the old names keep
+# working.
+from keras_hub_dist.plan.build import build_without_values, variable_specs  # noqa: F401
+
 __all__ = [
     "AbstractBackbone",
-    "VariableSpec",
     "abstract_backbone",
-    "build_without_values",
     "per_device_bytes",
-    "variable_specs",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class VariableSpec:
-    """A variable's path, full shape and dtype: all a plan needs."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole variable."""
-        return self.size * itemsize(self.dtype)
-
-
-class _NoValue:
-    """Initializer of an abstract variable: shapes under tracing, else an error.
-
-    Keras reads an uninitialized variable's value by calling its initializer.
-    Under a JAX trace (`jax.eval_shape`, Keras's symbolic calls) that costs no
-    memory, so shape inference still works; an eager read would allocate the
-    full tensor, one copy per read, so it raises instead.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __call__(self, shape, dtype=None):
-        dtype = keras.backend.standardize_dtype(dtype)
-        if isinstance(jnp.zeros((), dtype), jax.core.Tracer):
-            return jnp.zeros(shape, dtype)
-        raise RuntimeError(
-            f"Variable '{self.path}' (shape {tuple(shape)}, dtype {dtype}) "
-            "belongs to an abstract backbone: it has a shape but no value. "
-            "Expected symbolic use only (shapes, layout planning, "
-            "jax.eval_shape). Received: an eager read of its value. Build a "
-            "real backbone with a keras_hub_dist factory (e.g. "
-            "keras_hub_dist.gemma_backbone) or load weights into it."
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +130,6 @@ def _with_mesh(
     layout_map: keras.distribution.LayoutMap | None,
     layout_kwargs: Mapping[str, Any],
 ) -> AbstractBackbone:
-    # Imported here: `layouts` sizes named architectures through this module.
-    from keras_hub_dist.plan import layouts
-
     mesh = device_mesh(mesh, abstract=True)
     if layout_map is None:
         layout_map = layouts.get_layout_map(report.model, mesh, **layout_kwargs)
@@ -191,29 +141,6 @@ def _with_mesh(
         max_device_bytes=max(per_device.values()),
         layout_report=getattr(layout_map, "report", None),
     )
-
-
-def build_without_values(cls: type, config: Mapping[str, Any]) -> tuple[keras.Model, list[Any]]:
-    """Constructs `cls.from_config(config)` with no variable given a value.
-
-    The one way the package builds a model before its weights exist: the
-    variables have paths, shapes, dtypes and their (pending) initializers,
-    and no memory. Callers then fill them from a checkpoint, draw them in
-    their shards, or leave them abstract.
-
-    Returns:
-        `(model, variables created)`, the variables still pending.
-    """
-    with _compat.creating_variables_without_values() as created:
-        model = cls.from_config(dict(config))
-    return model, created
-
-
-def _build_abstract(cls: type, config: dict[str, Any]) -> keras.Model:
-    model, created = build_without_values(cls, config)
-    for variable in created:
-        _compat.set_pending_initializer(variable, _NoValue(variable.path))
-    return model
 
 
 def abstract_backbone(
@@ -253,11 +180,8 @@ def abstract_backbone(
     cls, config, entry = presets.backbone_config(
         name_or_config, backbone_class=backbone_class, **overrides
     )
-    model = _build_abstract(cls, config)
-    variables = tuple(
-        VariableSpec(v.path, tuple(int(d) for d in v.shape), str(v.dtype))
-        for v in model.weights
-    )
+    model = build_abstract(cls, config)
+    variables = specs_of(model)
     bytes_by_dtype: dict[str, int] = {}
     for spec in variables:
         bytes_by_dtype[spec.dtype] = bytes_by_dtype.get(spec.dtype, 0) + spec.nbytes
@@ -274,20 +198,3 @@ def abstract_backbone(
     if mesh is not None:
         report = _with_mesh(report, mesh, layout_map, {})
     return report
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_specs(key: str) -> tuple[VariableSpec, ...]:
-    name_or_config = json.loads(key)
-    return abstract_backbone(name_or_config).variables
-
-
-def variable_specs(name_or_config: Any) -> tuple[VariableSpec, ...]:
-    """The `VariableSpec`s of a named architecture or config (cached).
-
-    Layout planning only needs paths and shapes; the abstract model is built
-    once per architecture and dropped.
-    """
-    if isinstance(name_or_config, str) and not os.path.isdir(name_or_config):
-        name_or_config = presets.resolve(name_or_config).name
-    return _cached_specs(json.dumps(name_or_config, sort_keys=True))

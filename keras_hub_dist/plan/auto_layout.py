@@ -51,6 +51,7 @@ keras.distribution.set_distribution(
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import re
@@ -70,9 +71,11 @@ from keras_hub_dist.plan.auto_layout_decisions import (
     resolve_duplicate_paths,
 )
 from keras_hub_dist.plan.auto_layout_report import render_summary, warn_fallbacks
+from keras_hub_dist.plan import quantization
 from keras_hub_dist.plan.mesh import axis_sizes, device_mesh
-from keras_hub_dist.plan.sizes import format_bytes
-from keras_hub_dist.plan.specs import validate_spec
+from keras_hub_dist.plan.quantized_layouts import axes_from_values
+from keras_hub_dist.plan.sizes import format_bytes, itemsize
+from keras_hub_dist.plan.specs import shard_shape, validate_spec
 from keras_hub_dist.plan.weight_graph import WeightGraph, trace_weight_graph
 
 __all__ = ["LayoutPlan", "VariableDecision", "plan_layout"]
@@ -301,6 +304,7 @@ def plan_layout(
             "dimension instead."
         )
     decisions = decide_layouts(variables, graph, sizes, model_axis, data_axis)
+    decisions = _quantized_decisions(traced_model, decisions, sizes)
     for d in decisions:
         validate_spec(d.path, d.shape, d.axes, sizes)
     decisions = resolve_duplicate_paths(decisions)
@@ -316,6 +320,35 @@ def plan_layout(
     )
     warn_fallbacks(plan)
     return plan
+
+
+def _quantized_decisions(
+    model: keras.Model, decisions: Sequence[VariableDecision], sizes: dict[str, int]
+) -> list[VariableDecision]:
+    """A quantized model's scales, zero points and `g_idx` follow the layout
+    planned for their values (`quantized_layouts.axes_from_values`), not
+    their own traced use (they are only multiplied in element-wise)."""
+    tensors = quantization.quantized_tensors(model)
+    if not tensors:
+        return list(decisions)
+    by_path = {d.path: d for d in decisions}
+    derived: dict[str, tuple] = {}
+    for tensor in tensors:
+        values = by_path.get(tensor.values.path)
+        if values is not None:
+            derived.update(axes_from_values(tensor, values.axes, sizes))
+    out = []
+    for d in decisions:
+        axes = derived.get(d.path)
+        if axes is None or d.path in (t.values.path for t in tensors):
+            out.append(d)
+            continue
+        block = shard_shape(d.shape, axes, sizes)
+        out.append(dataclasses.replace(
+            d, axes=tuple(axes), role="quant", partners=(), fallback="",
+            device_bytes=math.prod(block) * itemsize(d.dtype),
+        ))
+    return out
 
 
 # -- mesh and model preparation -------------------------------------------

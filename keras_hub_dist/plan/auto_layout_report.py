@@ -1,22 +1,50 @@
-"""Text reports of a `LayoutPlan`: the summary table and the fallback warning."""
+"""Text reports of a `LayoutPlan`: the summary table and the fallback warning.
+
+`auto_layout.LayoutPlan` calls these. They read the plan through
+`PlanFigures`, the attributes they need, so this module imports nothing of
+`auto_layout`: `auto_layout` is built on it, not the reverse.
+"""
 
 from __future__ import annotations
 
 import math
 import re
 import warnings
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from keras_hub_dist.errors import LayoutFallbackWarning
 from keras_hub_dist.plan.auto_layout_decisions import AxisEntry, VariableDecision
 from keras_hub_dist.plan.sizes import format_bytes
 
-if TYPE_CHECKING:
-    # Only for annotations: auto_layout imports this module.
-    from keras_hub_dist.plan.auto_layout import LayoutPlan
+__all__ = ["PlanFigures", "render_summary", "warn_fallbacks"]
 
-__all__ = ["render_summary", "warn_fallbacks"]
+
+class PlanFigures(Protocol):
+    """What the reports read of a plan (`auto_layout.LayoutPlan` has it)."""
+
+    decisions: tuple[VariableDecision, ...]
+    axis_sizes: Mapping[str, int]
+    model_axis: str
+    data_axis: str | None
+    traced: bool
+    notes: tuple[str, ...]
+    model_name: str
+
+    @property
+    def fallbacks(self) -> tuple[VariableDecision, ...]: ...
+
+    @property
+    def num_devices(self) -> int: ...
+
+    @property
+    def total_bytes(self) -> int: ...
+
+    @property
+    def per_device_bytes(self) -> int: ...
+
+    @property
+    def balance(self) -> float: ...
 
 
 def _fmt_axes(axes: Sequence[AxisEntry]) -> str:
@@ -34,11 +62,13 @@ _LEGEND = (
     "the column weights feeding it); embedding: indexed dim sharded; "
     "bias/vector: replicated; other: used only element-wise (e.g. learned "
     "positions) or not at all (e.g. an output embedding only a task head "
-    "uses) by the traced forward pass, largest divisible dim sharded."
+    "uses) by the traced forward pass, largest divisible dim sharded; "
+    "quant: a quantized kernel's scale / zero point / g_idx, laid out "
+    "after its values."
 )
 
 
-def render_summary(plan: LayoutPlan, group: bool) -> str:
+def render_summary(plan: PlanFigures, group: bool) -> str:
     """The table behind `LayoutPlan.summary()`.
 
     Args:
@@ -109,7 +139,7 @@ def render_summary(plan: LayoutPlan, group: bool) -> str:
     return "\n".join(lines)
 
 
-def warn_fallbacks(plan: LayoutPlan) -> None:
+def warn_fallbacks(plan: PlanFigures) -> None:
     """Warns (`LayoutFallbackWarning`) about fallbacks and an untraced plan.
 
     Names the first five variables that could not use their preferred

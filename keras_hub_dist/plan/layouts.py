@@ -59,11 +59,14 @@ from keras_hub_dist.errors import LayoutError
 from keras_hub_dist.errors import LayoutFallbackWarning
 from keras_hub_dist.plan import family_rules
 from keras_hub_dist.plan import presets
+from keras_hub_dist.plan import quantization
 from keras_hub_dist.plan import specs
+from keras_hub_dist.plan.build import variable_specs
 from keras_hub_dist.plan.family_rules import ExpertBank
 from keras_hub_dist.plan.families import keras_hub_family
 from keras_hub_dist.plan.mesh import axis_sizes
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
+from keras_hub_dist.plan.quantized_layouts import add_quantized_entries
 
 __all__ = [
     "LayoutFallback",
@@ -188,11 +191,8 @@ def _target(model_or_class_or_name: Any) -> tuple[type, list[tuple[str, tuple]] 
     if isinstance(target, presets.PresetEntry):
         target = target.name
     if isinstance(target, str):
-        from keras_hub_dist.plan import abstract
-
         cls, _, _ = presets.backbone_config(target)  # a name or preset dir
-        specs = abstract.variable_specs(target)
-        return cls, [(spec.path, spec.shape) for spec in specs]
+        return cls, [(spec.path, spec.shape) for spec in variable_specs(target)]
     model = getattr(target, "model", None)  # an `AbstractBackbone`
     if isinstance(model, keras.Model):
         target = model
@@ -201,14 +201,39 @@ def _target(model_or_class_or_name: Any) -> tuple[type, list[tuple[str, tuple]] 
     if isinstance(target, keras.Model):
         backbone = getattr(target, "backbone", None)
         family_source = backbone if isinstance(backbone, keras.Model) else target
-        return type(family_source), [
-            (variable.path, tuple(variable.shape)) for variable in target.weights
-        ]
+        return type(family_source), _float_variables(target)
     raise TypeError(
         "Expected a KerasHub backbone or task (built or abstract), a backbone "
         "class, or a named architecture such as 'gemma_7b_en'. Received: "
         f"{model_or_class_or_name!r}."
     )
+
+
+def _float_variables(model: keras.Model) -> list[tuple[str, tuple]]:
+    """`(path, shape)` of a model's variables, each quantized tensor as its
+    float tensor (the layout map's rules name float kernels; the quantized
+    variables' layouts derive from theirs, `quantized_layouts`)."""
+    tensors = quantization.quantized_tensors(model)
+    quantized = {id(v) for t in tensors for v in t.variables}
+    out = [(t.float_path, t.float_shape) for t in tensors]
+    out += [(v.path, tuple(v.shape)) for v in model.weights if id(v) not in quantized]
+    return out
+
+
+def _quantized_entries(model_or_class_or_name: Any, layout_map: ReportingLayoutMap) -> None:
+    """Exact entries for the quantized variables of a quantized model."""
+    target = model_or_class_or_name
+    model = getattr(target, "model", None)  # an `AbstractBackbone`
+    if isinstance(model, keras.Model):
+        target = model
+    if not isinstance(target, keras.Model):
+        return
+    tensors = quantization.quantized_tensors(target)
+    float_axes = {}
+    for tensor in tensors:
+        layout = layout_map[tensor.float_path]
+        float_axes[tensor.float_path] = tuple(layout.axes) if layout is not None else ()
+    add_quantized_entries(layout_map, tensors, float_axes)
 
 
 def _base_rules(
@@ -362,6 +387,10 @@ def get_layout_map(
     exact-path entry, a `LayoutFallback` in `layout_map.report` and a
     `LayoutFallbackWarning`. An expert bank whose expert count the model axis
     does not divide moves to its expert-FFN dimension (also a fallback).
+    For a quantized model (`model.quantize("int8" | "int4")`, or built from
+    a quantized preset) every quantized variable gets an exact-path entry
+    derived from its float kernel's layout (`quantized_layouts`): int4
+    kernels keep their float kernels' paths with another shape.
 
     Args:
         model_or_class_or_name: A KerasHub backbone or task (built, or
@@ -443,6 +472,7 @@ def get_layout_map(
         if key in rules:  # a rule rewritten, or an exact-path rule
             del layout_map[key]
         layout_map[key] = axes
+    _quantized_entries(model_or_class_or_name, layout_map)
     layout_map.report = LayoutReport(
         family=family,
         source=source,

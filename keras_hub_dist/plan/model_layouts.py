@@ -9,6 +9,7 @@ mesh that would work.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,6 +62,29 @@ def default_layout_map(
 
 
 def user_layout_map(layout_map: Any, device_mesh: keras.distribution.DeviceMesh) -> keras.distribution.LayoutMap:
+    """The user's `layout_map` argument as a `LayoutMap` on `device_mesh`.
+
+    Raises:
+        LayoutError: Built for another mesh, naming an axis the mesh does not
+            have, a key that is not a regular expression, or not a layout map.
+    """
+    resolved = _user_layout_map(layout_map, device_mesh)
+    for key in resolved if isinstance(resolved, Mapping) else ():
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise LayoutError(
+                f"Layout map key {key!r} is not a valid regular expression "
+                f"({e}). Expected each layout-map key to be a regular "
+                "expression, searched for in variable paths as "
+                "keras.distribution.LayoutMap does. Received: "
+                f"{key!r}. To match the text literally, escape it "
+                f"(re.escape): {re.escape(key)!r}."
+            ) from None
+    return resolved
+
+
+def _user_layout_map(layout_map: Any, device_mesh: keras.distribution.DeviceMesh) -> keras.distribution.LayoutMap:
     if isinstance(layout_map, keras.distribution.LayoutMap):
         mine = layout_map.device_mesh
         if tuple(mine.shape) != tuple(device_mesh.shape) or tuple(mine.axis_names) != tuple(

@@ -85,6 +85,7 @@ __all__ = [
     "entries",
     "is_preset_dir",
     "names",
+    "parse_json",
     "read_json",
     "resolve",
 ]
@@ -308,18 +309,28 @@ def read_json(path: str | os.PathLike) -> Any:
         PresetError: The file is not valid JSON (or not UTF-8 text).
     """
     path = os.fspath(path)
+    with open(path, "rb") as handle:
+        return parse_json(handle.read(), path)
+
+
+def parse_json(data: bytes, name: str) -> Any:
+    """Parses the bytes of JSON file `name` (a path or a URL), naming the
+    file, line and column of a syntax error.
+
+    Raises:
+        PresetError: The bytes are not valid JSON (or not UTF-8 text).
+    """
     try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+        return json.loads(data.decode("utf-8"))
     except json.JSONDecodeError as e:
         raise PresetError(
-            f"{path!r} is not valid JSON: {e.msg} at line {e.lineno}, column "
+            f"{name!r} is not valid JSON: {e.msg} at line {e.lineno}, column "
             f"{e.colno}. Expected a JSON object. Received: a file of "
-            f"{os.path.getsize(path)} bytes. Fix or re-download the file."
+            f"{len(data)} bytes. Fix or re-download the file."
         ) from e
     except UnicodeDecodeError as e:
         raise PresetError(
-            f"{path!r} is not UTF-8 text. Expected a JSON file. Received: "
+            f"{name!r} is not UTF-8 text. Expected a JSON file. Received: "
             f"{e}. Fix or re-download the file."
         ) from e
 

@@ -6,6 +6,7 @@ KerasHub preset. `hf_export` saves a Hugging Face checkpoint instead: the
 model's mapping to it is `hf_mapping` (KerasHub's exporter and importer,
 replayed; `hf_families` for the families KerasHub cannot export), its small
 files `hf_files`, and `piece_write` writes blocks through their element
-maps. `api` is the public `save_sharded_preset` over both; `convert` goes
-from one format's files to the other's without building the model's values.
+maps. `api` is the public `save_sharded_preset` over both; `staging` owns
+the temporary directory every save publishes. Converting one format's files
+to the other's is `validate.convert` (it reads as the loader does too).
 """

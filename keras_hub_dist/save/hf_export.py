@@ -24,6 +24,9 @@ cannot be exported at all. Here the steps of the Keras-format save
    checksums recorded in `model.safetensors.index.json`'s metadata;
 5. process 0 publishes the directory with a rename once all have finished.
 
+The staging directory, its owner record, the sweep of what dead saves left
+and `durable=True` are the Keras-format save's (`save.staging`).
+
 Example:
 
 ```python
@@ -38,7 +41,6 @@ import contextlib
 import inspect
 import os
 import secrets
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -63,18 +65,18 @@ from keras_hub_dist.formats.safetensors_writer import (
 from keras_hub_dist.plan.abstract import build_without_values
 from keras_hub_dist.save.hf_files import write_hf_files
 from keras_hub_dist.save.hf_mapping import HfMapping, hf_mapping
+from keras_hub_dist.save import staging
 from keras_hub_dist.save.piece_write import PieceWriter
 from keras_hub_dist.save.saver import (
     _agreed_target,
     _backbone_and_task,
+    _claim_target,
+    _create_staging,
     _device_indices,
     _guard,
     _local_digests,
-    _make_staging,
     _model_error,
-    _publish,
     _saved_array,
-    _target_error,
     _weight_set,
 )
 from keras_hub_dist.save.write_plan import block_owners
@@ -198,9 +200,12 @@ def _quantization_error(model: Any) -> str | None:
     )
 
 
-def _write(backbone: Any, plans: dict[str, list[BlockPlan]], progress: bool | None, base: str) -> str | None:
-    """Writes this process's blocks; returns its first error as a message.
-    The walk runs to its end after an error (LoRA merges are collective)."""
+def _write(
+    backbone: Any, plans: dict[str, list[BlockPlan]], progress: bool | None, base: str, durable: bool
+) -> str | None:
+    """Writes this process's blocks (and with `durable` flushes them to the
+    disk); returns its first error as a message. The walk runs to its end
+    after an error (LoRA merges are collective)."""
     files = host_io.FileDescriptors(os.O_WRONLY)
     writer = PieceWriter(files)
     bar = byte_progress(sum(b.nbytes for p in plans.values() for b in p), f"Exporting {base}", progress)
@@ -234,6 +239,8 @@ def _write(backbone: Any, plans: dict[str, list[BlockPlan]], progress: bool | No
         missing = sorted(set(plans) - seen)
         if missing and not error:
             error.append(f"the model no longer saves {missing[:3]} (changed since it was mapped)")
+        if durable and not error:
+            files.sync()  # what this process wrote, before the processes agree to publish
     except Exception as e:  # noqa: BLE001 - the walk itself failed
         error.append(f"{type(e).__name__}: {e}")
     finally:
@@ -273,6 +280,7 @@ def save_huggingface(
     max_shard_size: float | int | str | None = None,
     num_threads: int = 2,
     dtype: Any = None,
+    durable: bool = False,
 ) -> None:
     """`save_sharded_preset(model, preset_dir, format="huggingface")`; see
     `keras_hub_dist.save_sharded_preset`."""
@@ -280,7 +288,7 @@ def save_huggingface(
     target = _agreed_target(preset_dir)
     backbone, task = _backbone_and_task(model)
     _processes.check_all(_model_error(model) or _quantization_error(model), SaveError, "Cannot export the model")
-    _processes.check_all(_target_error(target, overwrite), SaveError, f"Cannot save to {target!r}")
+    _claim_target(target, overwrite)
 
     found: list[HfMapping] = []
     error = _guard(lambda: found.append(_mapping_of(backbone, task, dtype)))
@@ -301,13 +309,13 @@ def save_huggingface(
 
     parent, base = os.path.split(target)
     token = _processes.broadcast_string(secrets.token_hex(6))
-    staging = os.path.join(parent, f".{base}.partial-{token}")
-    paths = [os.path.join(staging, f.name) for f in layout.files]
+    folder = staging.staging_path(parent, base, token)
+    paths = [os.path.join(folder, f.name) for f in layout.files]
     try:
         error = None
         if jax.process_index() == 0:
-            error = _guard(lambda: _prepare(staging, layout, backbone, task, mapping))
-        _processes.check_all(error, SaveError, f"Preparing {staging!r} failed")
+            error = _guard(lambda: _prepare(target, token, durable, layout, backbone, task, mapping))
+        _processes.check_all(error, SaveError, f"Preparing {folder!r} failed")
 
         plans: dict[str, list[BlockPlan]] = {}
 
@@ -318,7 +326,7 @@ def save_huggingface(
                 for d in mapping.pieces
             }
             plans.update(plan_blocks(
-                mapping, layout, staging, indices,
+                mapping, layout, folder, indices,
                 process_index=jax.process_index(), process_count=jax.process_count(),
             )[0])
             missing = [p for p in paths if not os.path.exists(p)]
@@ -331,7 +339,7 @@ def save_huggingface(
         error = _guard(plan)
         _processes.check_all(error, SaveError, "Planning the writes failed")
 
-        error = _write(backbone, plans, progress, base)
+        error = _write(backbone, plans, progress, base, durable)
         _processes.check_all(error, SaveError, "Writing the weights failed")
 
         table: list[np.ndarray] = []
@@ -340,22 +348,27 @@ def save_huggingface(
         digests = _processes.sum_over_processes(table[0])
 
         if jax.process_index() == 0:
-            error = _guard(lambda: _finish(staging, target, layout, paths, digests, token))
+            error = _guard(lambda: _finish(folder, target, layout, paths, digests, token, durable))
         _processes.check_all(error, SaveError, f"Publishing {target!r} failed")
-    except BaseException:
+    finally:  # the owner record, and the staging directory unless published
         if jax.process_index() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+            staging.discard(target, token)
 
 
-def _prepare(staging: str, layout: SafetensorsLayout, backbone: Any, task: Any, mapping: HfMapping) -> None:
-    _make_staging(staging)
-    write_hf_files(staging, backbone, task, mapping.config)
-    create_files(layout, staging)
+def _prepare(
+    target: str, token: str, durable: bool, layout: SafetensorsLayout, backbone: Any, task: Any,
+    mapping: HfMapping,
+) -> None:
+    folder = _create_staging(target, token, durable)
+    write_hf_files(folder, backbone, task, mapping.config)
+    create_files(layout, folder)
 
 
-def _finish(staging: str, target: str, layout: SafetensorsLayout, paths: list[str], digests: np.ndarray, token: str) -> None:
-    with open(os.path.join(staging, INDEX_FILE), "w", encoding="utf-8") as f:
+def _finish(
+    folder: str, target: str, layout: SafetensorsLayout, paths: list[str], digests: np.ndarray,
+    token: str, durable: bool,
+) -> None:
+    with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
         f.write(checksummed_index(layout, paths, digests))
-    _publish(staging, target, token)
+    staging.publish(folder, target, token, durable=durable)
 

@@ -21,6 +21,10 @@ host memory by more than the model. `save_sharded_preset` instead:
    the checksums in metadata.json (`formats.checksums`);
 5. publishes the directory with a rename once every process has finished.
 
+What a save killed outright leaves beside the target (its staging directory,
+with an owner record) the next save to that target removes, once it has
+proven that save dead (`save.staging`).
+
 Why one preallocated Keras file rather than HDF5 virtual datasets or whole
 variables per process: Keras stores each value as one contiguous dataset,
 so once process 0 has created the (sparse) file every process can fill its
@@ -49,7 +53,7 @@ import contextlib
 import json
 import os
 import secrets
-import shutil
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +64,7 @@ import numpy as np
 
 from keras_hub_dist import _compat, _processes
 from keras_hub_dist._progress import byte_progress
-from keras_hub_dist.errors import PresetError, SaveError
+from keras_hub_dist.errors import PresetError, SaveError, StaleStagingWarning
 from keras_hub_dist.formats import checksums, host_io, keras_h5
 from keras_hub_dist.formats.base import Index
 from keras_hub_dist.formats.keras_h5_writer import (
@@ -69,6 +73,7 @@ from keras_hub_dist.formats.keras_h5_writer import (
     create_weights_files,
     weights_layout,
 )
+from keras_hub_dist.save import staging
 from keras_hub_dist.save.write_execute import WriteStats, write_value
 from keras_hub_dist.save.write_plan import SavePlan, SaveRequest, plan_save
 
@@ -96,6 +101,7 @@ def save_sharded_preset(
     progress: bool | None = None,
     max_shard_size: float | None = 10,
     num_threads: int = 2,
+    durable: bool = False,
 ) -> None:
     """Saves a (sharded) KerasHub backbone or task as a preset, from every
     process, with no gather.
@@ -105,9 +111,11 @@ def save_sharded_preset(
     `model.weights.json` + `model_NNNNN.weights.h5` over `max_shard_size`
     GB), and for a task task.json and its preprocessor's files. Stock
     `from_preset` and `load_sharded_preset` (on any mesh) load it. A
-    LoRA-enabled model saves its merged kernels, as `save_to_preset` does;
-    Keras computes each merge with replicated LoRA factors, so every device
-    holds one whole merged kernel while it is written (one at a time).
+    LoRA-enabled model saves its merged kernels, as `save_to_preset` does.
+    Keras computes each merge eagerly from replicated LoRA factors: the
+    product `lora_a @ lora_b` and its scaled copy are whole on every device
+    for a moment (two kernel-sized buffers, one layer at a time); the merged
+    kernel it writes is in the kernel's own sharding.
 
     Every process of a `jax.distributed` job calls it with the same
     arguments, on a filesystem they share. Each process writes only the
@@ -121,10 +129,27 @@ def save_sharded_preset(
     the target (`.<name>.partial-<token>`) that is renamed to `preset_dir`
     only after every process has finished; a failure on any process raises
     `SaveError` on all of them, removes the temporary directory and leaves
-    the target untouched. A process killed outright leaves the temporary
-    directory behind, never a half-written target. Each weights file's
-    checksum goes into metadata.json, so
-    `load_sharded_preset(..., verify=True)` detects bytes changed later.
+    the target untouched. A process killed outright (SIGKILL, a lost
+    machine) leaves the temporary directory behind, never a half-written
+    target. Beside it an owner record (`.<name>.owner-<token>.json`: host,
+    boot, pid and start time of process 0) lets the next save to the same
+    target remove it once that save is provably dead: same host and its
+    process gone (or its pid now another process's), or the host rebooted
+    since. A directory whose save may still run (on another host, or in
+    another container of this one) is left alone; every directory removed
+    or left is named in a `StaleStagingWarning`. A preset that a killed save
+    had moved aside to replace it (`.<name>.replaced-<token>`) is restored
+    when the target is missing. Each weights file's checksum goes into
+    metadata.json, so `load_sharded_preset(..., verify=True)` detects bytes
+    changed later.
+
+    Power loss: the rename is atomic, but without `durable=True` the
+    kernel may still hold the written bytes in memory when it returns, so a
+    power loss can leave a published preset with files partly written.
+    `durable=True` flushes (`fsync`) every file and directory written (each
+    process the blocks it wrote, before the processes agree to publish;
+    process 0 everything else) and the parent directory before the rename,
+    and the parent again after it.
 
     Args:
         model: A built `keras_hub.models.Backbone` or `Task`.
@@ -137,6 +162,11 @@ def save_sharded_preset(
         max_shard_size: As `save_to_preset`: GB per weights file for a
             backbone larger than that; `None` for one file.
         num_threads: Threads that hash the written files.
+        durable: Flush everything to the disk before and after publishing
+            (see above). Off by default: it waits until the disk holds the
+            whole preset (0.5 s of a 10 s save of 3.8 GB on a VM disk; on a
+            physical disk up to the preset's size over its write speed; see
+            BENCHMARKS.md).
 
     Raises:
         SaveError: The model is not a built KerasHub backbone or task, or
@@ -148,7 +178,8 @@ def save_sharded_preset(
     target = _agreed_target(preset_dir)
     backbone, task = _backbone_and_task(model)
     _processes.check_all(_model_error(model), SaveError, "Cannot save the model")
-    _processes.check_all(_target_error(target, overwrite), SaveError, f"Cannot save to {target!r}")
+    _claim_target(target, overwrite)
+    parent, base = os.path.split(target)
 
     names = _compat.preset_file_names()
     backbone_bytes = _compat.variables_size_in_bytes(backbone.variables)
@@ -164,35 +195,35 @@ def save_sharded_preset(
             _weight_set(task, list(backbone._flatten_layers()), names["task_weights"], None)
         )
 
-    parent, base = os.path.split(target)
     token = _processes.broadcast_string(secrets.token_hex(6))
-    staging = os.path.join(parent, f".{base}.partial-{token}")
+    folder = staging.staging_path(parent, base, token)
     try:
         error = None
         if jax.process_index() == 0:
-            error = _guard(lambda: _prepare(staging, backbone, task, sets, names))
-        _processes.check_all(error, SaveError, f"Preparing {staging!r} failed")
+            error = _guard(lambda: _prepare(target, token, durable, backbone, task, sets, names))
+        _processes.check_all(error, SaveError, f"Preparing {folder!r} failed")
 
         plans: list[SavePlan] = []
-        error = _guard(lambda: plans.extend(_plan(staging, s) for s in sets))
+        error = _guard(lambda: plans.extend(_plan(folder, s) for s in sets))
         _processes.check_all(error, SaveError, "Planning the writes failed")
 
-        error = _write(sets, plans, progress, base)
+        error = _write(sets, plans, progress, base, durable)
         _processes.check_all(error, SaveError, "Writing the weights failed")
 
-        files = _weights_files(staging, sets)
+        files = _weights_files(folder, sets)
         table: list[np.ndarray] = []
         error = _guard(lambda: table.append(_local_digests(files, num_threads)))
         _processes.check_all(error, SaveError, "Hashing the weights files failed")
         digests = _processes.sum_over_processes(table[0])
 
         if jax.process_index() == 0:
-            error = _guard(lambda: _finish(staging, target, backbone, files, digests, token, names))
+            error = _guard(
+                lambda: _finish(folder, target, backbone, files, digests, token, names, durable)
+            )
         _processes.check_all(error, SaveError, f"Publishing {target!r} failed")
-    except BaseException:
+    finally:  # the owner record, and the staging directory unless published
         if jax.process_index() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+            staging.discard(target, token)
 
 
 def _agreed_target(preset_dir: str | os.PathLike) -> str:
@@ -208,11 +239,26 @@ def _agreed_target(preset_dir: str | os.PathLike) -> str:
     return target
 
 
-def _make_staging(staging: str) -> None:
-    """Creates the staging directory (and the target's parents)."""
+def _claim_target(target: str, overwrite: bool) -> None:
+    """Removes what dead saves to `target` left (process 0; warns with what
+    it removed or left), then checks on every process that `target` may be
+    written."""
+    parent, base = os.path.split(target)
+    error, report = None, []
+    if jax.process_index() == 0:  # before the target check: it may restore the target
+        error = _guard(lambda: report.append(staging.sweep_stale(parent, base)))
+    if report and report[0]:
+        # The user's call, through `api.save_sharded_preset` and this module.
+        warnings.warn(report[0], StaleStagingWarning, stacklevel=4)
+    _processes.check_all(error, SaveError, "Removing what earlier saves left failed")
+    _processes.check_all(_target_error(target, overwrite), SaveError, f"Cannot save to {target!r}")
+
+
+def _create_staging(target: str, token: str, durable: bool) -> str:
+    """Creates the owner record and the staging directory of save `token`
+    (`staging.create`); returns the directory."""
     try:
-        os.makedirs(os.path.dirname(staging), exist_ok=True)
-        os.mkdir(staging)
+        return staging.create(target, token, jax.process_count(), durable=durable)
     except OSError as e:
         raise SaveError(
             f"Expected to create a directory beside preset_dir. Received: "
@@ -328,21 +374,24 @@ def _weight_set(model: Any, skip: Sequence[Any], file_name: str, max_shard_size:
     return _WeightSet(model, skip, file_name, max_shard_size, layout, shardings, paths)
 
 
-def _prepare(staging: str, backbone: Any, task: Any, sets: list[_WeightSet], names: dict[str, str]) -> None:
-    _make_staging(staging)
+def _prepare(
+    target: str, token: str, durable: bool, backbone: Any, task: Any, sets: list[_WeightSet],
+    names: dict[str, str],
+) -> None:
+    folder = _create_staging(target, token, durable)
     if task is not None:
-        _compat.save_preset_config(task, staging, names["task"])
-    _compat.save_preset_config(backbone, staging, names["config"])
+        _compat.save_preset_config(task, folder, names["task"])
+    _compat.save_preset_config(backbone, folder, names["config"])
     if task is not None and task.preprocessor is not None:
-        task.preprocessor.save_to_preset(staging)
+        task.preprocessor.save_to_preset(folder)
     for weight_set in sets:
         create_weights_files(
-            weight_set.layout, os.path.join(staging, weight_set.file_name), weight_set.max_shard_size
+            weight_set.layout, os.path.join(folder, weight_set.file_name), weight_set.max_shard_size
         )
 
 
-def _plan(staging: str, weight_set: _WeightSet) -> SavePlan:
-    path = os.path.join(staging, weight_set.file_name)
+def _plan(folder: str, weight_set: _WeightSet) -> SavePlan:
+    path = os.path.join(folder, weight_set.file_name)
     try:
         on_disk = keras_h5.read_datasets(keras_h5.weights_files(path))
     except PresetError as e:
@@ -369,8 +418,11 @@ def _plan(staging: str, weight_set: _WeightSet) -> SavePlan:
     return plan_save(requests, process_index=jax.process_index(), process_count=jax.process_count())
 
 
-def _write(sets: list[_WeightSet], plans: list[SavePlan], progress: bool | None, base: str) -> str | None:
-    """Writes this process's blocks; returns its first error as a message.
+def _write(
+    sets: list[_WeightSet], plans: list[SavePlan], progress: bool | None, base: str, durable: bool
+) -> str | None:
+    """Writes this process's blocks (and with `durable` flushes them to the
+    disk); returns its first error as a message.
 
     After a failed write the walks still run to their end: a LoRA-merged
     kernel is computed by all processes together, so every process must
@@ -401,6 +453,8 @@ def _write(sets: list[_WeightSet], plans: list[SavePlan], progress: bool | None,
                 bar.update(entry.nbytes)
 
             keras_h5.walk_saved_values(weight_set.model, write, skip=weight_set.skip)
+        if durable and not error:
+            files.sync()  # what this process wrote, before the processes agree to publish
     except Exception as e:  # noqa: BLE001 - the walk itself failed
         error.append(f"{type(e).__name__}: {e}")
     finally:
@@ -410,10 +464,10 @@ def _write(sets: list[_WeightSet], plans: list[SavePlan], progress: bool | None,
     return error[0] if error else None
 
 
-def _weights_files(staging: str, sets: list[_WeightSet]) -> list[str]:
+def _weights_files(folder: str, sets: list[_WeightSet]) -> list[str]:
     files = []
     for weight_set in sets:
-        path = os.path.join(staging, weight_set.file_name)
+        path = os.path.join(folder, weight_set.file_name)
         files += [path] if path.endswith(".h5") else [path, *keras_h5.weights_files(path)]
     return files
 
@@ -430,37 +484,21 @@ def _local_digests(files: list[str], num_threads: int) -> np.ndarray:
 
 
 def _finish(
-    staging: str,
+    folder: str,
     target: str,
     backbone: Any,
     files: list[str],
     digests: np.ndarray,
     token: str,
     names: dict[str, str],
+    durable: bool,
 ) -> None:
     recorded = checksums.entries(files, digests)
-    _compat.save_preset_metadata(backbone, staging)
-    metadata_path = os.path.join(staging, names["metadata"])
+    _compat.save_preset_metadata(backbone, folder)
+    metadata_path = os.path.join(folder, names["metadata"])
     with open(metadata_path, encoding="utf-8") as f:
         metadata = json.load(f)
     metadata[checksums.METADATA_KEY] = {"checksums": recorded}
     with open(metadata_path, "w", encoding="utf-8") as f:
         f.write(json.dumps(metadata, indent=4))
-    _publish(staging, target, token)
-
-
-def _publish(staging: str, target: str, token: str) -> None:
-    """Renames `staging` to `target`; an existing target is moved aside
-    first and removed only once the new one is in place."""
-    if not os.path.lexists(target):
-        os.rename(staging, target)
-        return
-    parent, base = os.path.split(target)
-    replaced = os.path.join(parent, f".{base}.replaced-{token}")
-    os.rename(target, replaced)
-    try:
-        os.rename(staging, target)
-    except BaseException:
-        os.rename(replaced, target)
-        raise
-    shutil.rmtree(replaced, ignore_errors=True)
+    staging.publish(folder, target, token, durable=durable)

@@ -18,7 +18,7 @@ KerasHub under the same `ModelParallel`, each case in a fresh process; see
 
 `convert` converts a checkpoint between the KerasHub and Hugging Face formats
 file to file, never holding the model's values
-(`keras_hub_dist.save.convert`); exit status 0, or 2 with the error.
+(`keras_hub_dist.validate.convert`); exit status 0, or 2 with the error.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from keras_hub_dist.validate.options import CHECKPOINT_FORMATS, ValidateOptions
+from keras_hub_dist.validate.options import CHECKPOINT_FORMATS, QUANTIZE_MODES, ValidateOptions
 from keras_hub_dist.validate.plot import plot_report, require_matplotlib
 from keras_hub_dist.validate.report import format_report, over_budget_lines, write_json
 from keras_hub_dist.validate.runner import run_validation
@@ -131,6 +131,15 @@ def _add_validate_flags(parser: argparse.ArgumentParser) -> None:
         "architecture's own dtype). A preset directory is read in its own format. "
         "Default: %(default)s.",
     )
+    add(
+        "--quantize",
+        choices=QUANTIZE_MODES,
+        default=None,
+        help="Measure quantized models: ours loads (builds) with quantize=MODE, stock "
+        "loads (builds) in float under the same distribution, then calls "
+        "model.quantize(MODE) (its failure is reported). --dtype stays the float "
+        "dtype. Default: float models.",
+    )
     add("--quiet", action="store_true", help="No progress lines, only the table.")
 
 
@@ -196,7 +205,7 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     """The `convert` command; returns the exit code."""
     from keras_hub_dist.errors import PresetError, SaveError
-    from keras_hub_dist.save.convert import convert_checkpoint
+    from keras_hub_dist.validate.convert import convert_checkpoint
 
     shard: float | str | None = args.max_shard_size
     if shard is not None:
@@ -232,6 +241,7 @@ def options_from_args(args: argparse.Namespace) -> ValidateOptions:
         timeout_s=args.timeout_s,
         preset_cache=args.preset_cache,
         checkpoint_format=args.checkpoint_format,
+        quantize=args.quantize,
     )
 
 

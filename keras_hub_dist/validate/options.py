@@ -32,6 +32,7 @@ __all__ = [
     "CASES",
     "CHECKPOINT_FORMATS",
     "PHASES",
+    "QUANTIZE_MODES",
     "ValidateOptions",
     "parse_mesh",
     "parse_overrides",
@@ -45,6 +46,9 @@ CASES = ("ours", "stock")
 # architecture (`--checkpoint_format`): a KerasHub preset
 # (`formats.synthetic`) or a Hugging Face one (`formats.synthetic_hf`).
 CHECKPOINT_FORMATS = ("keras", "huggingface")
+# `--quantize`: `load_sharded_preset(..., quantize=)` and the factories'
+# modes (`plan.quantization.SUPPORTED_MODES`, not imported: no Keras here).
+QUANTIZE_MODES = ("int8", "int4")
 
 
 @dataclasses.dataclass
@@ -73,6 +77,9 @@ class ValidateOptions:
             writes for a named architecture: `"keras"` (a KerasHub preset)
             or `"huggingface"` (config.json + safetensors, for the classes
             of `formats.synthetic_hf.SUPPORTED_CLASSES`).
+        quantize: `"int8"` / `"int4"`: ours loads (and builds) the model
+            quantized (`quantize=`); stock loads (builds) it under the same
+            distribution, then calls `model.quantize(mode)`.
         python: Interpreter of the case processes.
     """
 
@@ -89,6 +96,7 @@ class ValidateOptions:
     timeout_s: float = 1800.0
     preset_cache: str | None = None
     checkpoint_format: str = "keras"
+    quantize: str | None = None
     python: str = sys.executable
 
     @classmethod
@@ -151,6 +159,11 @@ class ValidateOptions:
                 f"Expected --checkpoint_format among {CHECKPOINT_FORMATS}. Received: "
                 f"--checkpoint_format {self.checkpoint_format!r}. Use keras (a "
                 "KerasHub preset) or huggingface (config.json + safetensors)."
+            )
+        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
+            raise ValueError(
+                f"Expected --quantize among {QUANTIZE_MODES}. Received: "
+                f"--quantize {self.quantize!r}."
             )
         if self.interval_ms <= 0:
             raise ValueError(

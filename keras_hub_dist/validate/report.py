@@ -219,6 +219,11 @@ def _header_lines(report: Mapping[str, Any]) -> list[str]:
         f" ({', '.join(f'{k}={v}' for k, v in opts['overrides'].items())})"
         if opts["overrides"] else ""
     ) + _checkpoint_note(report)
+    if opts.get("quantize"):
+        arch += (
+            f" quantized {opts['quantize']} (ours: quantize=; stock: float, then "
+            "model.quantize under the same distribution)"
+        )
     params = model.get("parameter_count")
     out = [
         f"keras-hub-dist validate: {arch}"

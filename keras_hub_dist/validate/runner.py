@@ -194,6 +194,7 @@ def _new_report(options: ValidateOptions) -> dict[str, Any]:
             "devices": options.simulated_devices,
             "interval_ms": options.interval_ms,
             "checkpoint_format": options.checkpoint_format,
+            "quantize": options.quantize,
         },
         "model": None,
         "environment": None,
@@ -234,6 +235,7 @@ def run_validation(options: ValidateOptions, on_event: Event | None = None) -> d
             "mesh": list(options.mesh_shape),
             "interval_s": options.interval_ms / 1000.0,
             "checkpoint_format": options.checkpoint_format,
+            "quantize": options.quantize,
         }
         preset_dir = None
         if "load" in options.phases:

@@ -11,7 +11,8 @@ Schema (draft 7) and `check_report` validates a report against it with the
   "tool": "keras-hub-dist validate", "created": ISO-8601 time,
   "options": {preset, mesh: [batch, model], dtype, phases, num_layers,
               overrides, baseline, hbm_gb, devices, interval_ms,
-              checkpoint_format: "keras" | "huggingface" (optional)},
+              checkpoint_format: "keras" | "huggingface" (optional),
+              quantize: "int8" | "int4" | null (optional)},
   "model": {backbone_class, parameter_count, model_bytes, weight_dtypes,
             architecture: {"kind": "named", name, handle, full_parameter_count}
                         | {"kind": "preset_dir", path}
@@ -144,6 +145,8 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "interval_ms": {"type": "number"},
                 # Optional: reports written before the flag existed are "keras".
                 "checkpoint_format": _FORMAT,
+                # Optional: null (float models) where the flag is absent.
+                "quantize": {"type": ["string", "null"], "enum": ["int8", "int4", None]},
             },
         },
         "model": {

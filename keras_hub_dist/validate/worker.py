@@ -47,11 +47,9 @@ __all__ = [
 ]
 
 # The result file stays small whatever the case's length: the timeline is
-# downsampled to this many points, and only the programs with the largest
-# temps are listed.
+# downsampled to this many points, only the programs with the largest temps listed.
 TIMELINE_POINTS = 600
 TOP_PROGRAMS = 8
-
 
 # The dtypes a checkpoint's own `torch_dtype` may give the load phase (and a
 # synthetic Hugging Face checkpoint may be written in).
@@ -194,7 +192,7 @@ def _policy_name(policy: Any) -> str | None:
     return None
 
 
-def _ours_init(cls: type, config: dict[str, Any]) -> Any:
+def _ours_init(cls: type, config: dict[str, Any], quantize: str | None = None) -> Any:
     """Builds the backbone with keras_hub_dist's factory of its class.
 
     Raises:
@@ -211,13 +209,13 @@ def _ours_init(cls: type, config: dict[str, Any]) -> Any:
         )
     # The stock build keeps a multimodal config's encoders; so must ours.
     text_only = {"text_only": False} if "text_only" in inspect.signature(factory).parameters else {}
-    return factory(serialized_config(cls, config), **text_only)
+    return factory(serialized_config(cls, config), **text_only, **({"quantize": quantize} if quantize else {}))
 
 
-def _ours_load(preset_dir: str, mesh: Any, layout_map: Any, dtype: str | None) -> Any:
+def _ours_load(preset_dir: str, mesh: Any, layout_map: Any, dtype: str | None, quantize: str | None = None) -> Any:
     from keras_hub_dist.load.loader import load_sharded_preset
 
-    kwargs: dict[str, Any] = {"mesh": mesh, "layout_map": layout_map}
+    kwargs: dict[str, Any] = {"mesh": mesh, "layout_map": layout_map, "quantize": quantize}
     if dtype:
         kwargs["dtype"] = dtype
     return load_sharded_preset(preset_dir, progress=False, **kwargs)
@@ -269,10 +267,12 @@ def _versions() -> dict[str, str]:
 def _measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     import jax
 
-    from keras_hub_dist.validate import memory
+    from keras_hub_dist.measure import memory
+    from keras_hub_dist.measure.event_samples import sampling_after_calls
 
     case, phase = spec["case"], spec["phase"]
     dtype = spec.get("dtype")
+    quantize = spec.get("quantize")
     preset = spec["preset_dir"] if phase == "load" else spec["preset"]
     overrides = {} if phase == "load" else dict(spec.get("overrides") or {})
     cls, config, source = resolve_architecture(preset, overrides, dtype)
@@ -295,19 +295,25 @@ def _measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     sampler = memory.MemorySampler(
         interval_s=float(spec.get("interval_s", 0.002)), devices=devices
     )
-    with sampler:
+    # A sample at each `jax.device_put` (stock reshards whole tensors with
+    # it; ours places blocks) sees those moments however busy the machine is.
+    with sampler, sampling_after_calls(sampler, jax, "device_put"):
         if case == "ours" and phase == "init":
             with distribution.scope():
-                model = _ours_init(cls, config)
+                model = _ours_init(cls, config, quantize)
         elif case == "stock" and phase == "init":
             with distribution.scope():
                 # A copy: some `from_config`s (Gemma 3) deserialize sub-layers in place.
                 model = cls.from_config(dict(config))
+                if quantize:
+                    model.quantize(quantize)
         elif case == "ours" and phase == "load":
-            model = _ours_load(preset, mesh, layout_map, dtype)
+            model = _ours_load(preset, mesh, layout_map, dtype, quantize)
         elif case == "stock" and phase == "load":
             with distribution.scope():
                 model = _stock_load(preset, dtype)
+                if quantize:
+                    model.quantize(quantize)
         else:
             raise ValueError(
                 "Expected case in ('ours', 'stock') and phase in ('init', "

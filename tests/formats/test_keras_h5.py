@@ -21,7 +21,7 @@ from keras_hub_dist.formats.keras_h5 import (
     weights_files,
 )
 from keras_hub_dist.plan import presets
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.plan.build import build_without_values
 
 GEMMA = dict(
     vocabulary_size=256, num_layers=2, num_query_heads=4, num_key_value_heads=2,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from keras_hub_dist import PresetError, UnknownPresetError, write_synthetic_preset
-from keras_hub_dist.validate import memory
+from keras_hub_dist.measure import memory
 from keras_hub_dist.formats import synthetic
 from keras_hub_dist.formats.keras_h5 import read_datasets
 

@@ -31,8 +31,9 @@ from keras_hub_dist.init import initializers
 from keras_hub_dist.init import registry
 from keras_hub_dist.plan import layouts
 from keras_hub_dist.plan import specs as spec_lib
-from keras_hub_dist.plan.abstract import build_without_values
-from keras_hub_dist.validate.memory import MemorySampler
+from keras_hub_dist.plan.build import build_without_values
+from keras_hub_dist.measure.event_samples import sampling_after_calls
+from keras_hub_dist.measure.memory import MemorySampler
 
 MESH_SHAPES = [(1, 8), (2, 4)]
 
@@ -330,8 +331,9 @@ def test_sharded_build_memory_layouts_and_values(family, mesh_shape):
 def test_stock_spike_is_visible_to_the_same_measurement():
     # The measurement above can fail: the stock class under a ModelParallel
     # creates each variable under Keras's 250 MB threshold whole on one device
-    # first. Large tables (2 MB and 1 MB) so that copy lives long enough to be
-    # sampled.
+    # first, then `jax.device_put`s it into its layout. One sample right after
+    # each of those calls, while the whole value is still referenced, sees
+    # that moment every time.
     spec = FAMILIES["gemma4"]
     mesh = keras.distribution.DeviceMesh((1, 8), ("batch", "model"), jax.devices())
     layout_map = keras.distribution.LayoutMap(mesh)
@@ -345,11 +347,16 @@ def test_stock_spike_is_visible_to_the_same_measurement():
     gc.collect()
     with distribution.scope():
         with MemorySampler(interval_s=0.001) as sampler:
-            stock = spec.cls.from_config(
-                dict(spec.stock_config(), vocabulary_size=16384)
-            )
-            jax.block_until_ready([v.value for v in stock.weights])
+            with sampling_after_calls(sampler, jax, "device_put") as at_device_put:
+                stock = spec.cls.from_config(
+                    dict(spec.stock_config(), vocabulary_size=16384)
+                )
+                jax.block_until_ready([v.value for v in stock.weights])
     start, final = sampler.start_per_device, sampler.final_per_device
+    table = next(v for v in stock.weights if v.path == EMBEDDING)
+    table_bytes = table.value.nbytes
+    # At the token table's device_put, one device held all of it.
+    assert max(max(s[d] - start[d] for d in s) for s in at_device_put) >= table_bytes
     ratios = [
         (sampler.peak_per_device[d] - start[d]) / (final[d] - start[d])
         for d in sampler.device_ids

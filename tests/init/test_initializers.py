@@ -324,7 +324,7 @@ def test_seed_generator_draws_once_per_call():
 @pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
 def test_initialize_variables_places_shards_without_a_copy(mesh_shape):
     from keras_hub_dist import _compat
-    from keras_hub_dist.validate.memory import MemorySampler
+    from keras_hub_dist.measure.memory import MemorySampler
 
     shape = (16384, 512)  # 32 MiB: at least 4 chunks per shard
     init = keras_hub_dist.DistributedVarianceScaling(seed=6)

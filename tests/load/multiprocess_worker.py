@@ -31,6 +31,11 @@ def main() -> None:
     from jax.sharding import NamedSharding, PartitionSpec
 
     import keras_hub_dist
+    from keras_hub_dist.load import block_plan
+
+    # Tests of small models may ask large-block paths to be taken anyway.
+    if os.environ.get("KHD_DEVICE_TRANSPOSE_MIN_BYTES"):
+        block_plan.DEVICE_TRANSPOSE_MIN_BYTES = int(os.environ["KHD_DEVICE_TRANSPOSE_MIN_BYTES"])
 
     # KerasHub's model.weights.h5, or a Hugging Face checkpoint's shards.
     weights_files = {
@@ -38,23 +43,31 @@ def main() -> None:
         for name in os.listdir(preset)
         if name.endswith((".weights.h5", ".safetensors"))
     }
+    # Where each safetensors file's tensors begin: reads before that are of
+    # its header, recorded apart from the weights' bytes.
+    data_start = {}
+    for path in weights_files:
+        if path.endswith(".safetensors"):
+            with open(path, "rb") as f:
+                data_start[path] = 8 + int.from_bytes(f.read(8), "little")
     reads: list[tuple[int, int]] = []
+    header_reads: list[tuple[int, int]] = []
     original_preadv = os.preadv
     original_pread = os.pread
 
-    def is_weights(fd: int) -> bool:
-        return os.path.realpath(f"/proc/self/fd/{fd}") in weights_files
+    def record(fd: int, offset: int, n: int) -> None:
+        path = os.path.realpath(f"/proc/self/fd/{fd}")
+        if path in weights_files and n > 0:
+            (header_reads if offset < data_start.get(path, 0) else reads).append((offset, n))
 
     def recording_preadv(fd, buffers, offset, *args):
         n = original_preadv(fd, buffers, offset, *args)
-        if is_weights(fd) and n > 0:
-            reads.append((offset, n))
+        record(fd, offset, n)
         return n
 
     def recording_pread(fd, length, offset):
         data = original_pread(fd, length, offset)
-        if is_weights(fd) and data:
-            reads.append((offset, len(data)))
+        record(fd, offset, len(data))
         return data
 
     os.preadv, os.pread = recording_preadv, recording_pread
@@ -125,6 +138,31 @@ def main() -> None:
             np.asarray(shard.data).tolist()
         for shard in table.addressable_shards
     }
+    # The same preset quantized to int8 on load: row-split kernels need
+    # statistics from both processes (one collective); each process reports
+    # a digest of every block its devices hold, and the bytes it read.
+    import hashlib
+
+    quantized_reads: list[tuple[int, int]] = []
+    reads, all_reads = quantized_reads, reads
+    header_reads, all_header_reads = [], header_reads
+    os.preadv, os.pread = recording_preadv, recording_pread
+    try:
+        quantized = keras_hub_dist.load_sharded_preset(
+            preset, mesh=(batch, model), progress=False, quantize="int8"
+        )
+    finally:
+        os.preadv, os.pread = original_preadv, original_pread
+    reads, header_reads = all_reads, all_header_reads
+    digests = {
+        variable.path: {
+            ",".join(f"{i.start or 0}:{i.stop if i.stop is not None else dim}"
+                     for i, dim in zip(shard.index, variable.shape)):
+                hashlib.sha256(np.asarray(shard.data).tobytes()).hexdigest()
+            for shard in variable.value.addressable_shards
+        }
+        for variable in quantized.weights
+    }
     with open(os.path.join(out_dir, f"process_{process_id}.json"), "w") as handle:
         json.dump(
             {
@@ -133,9 +171,12 @@ def main() -> None:
                 "device_count": jax.device_count(),
                 "local_device_ids": [d.id for d in jax.local_devices()],
                 "reads": reads,
+                "header_reads": header_reads,
                 "held": held,
                 "table_sharding": str(table.sharding.spec),
                 "table_blocks": drawn,
+                "quantized_digests": digests,
+                "quantized_read_bytes": sum(n for _, n in quantized_reads),
             },
             handle,
         )

@@ -198,6 +198,7 @@ def test_each_process_plans_only_its_own_devices(num_processes):
     ]
     seen_devices = set()
     read_ranges = []
+    norm_ranges = []
     for p in range(num_processes):
         plan = plan_load(requests, mesh, process_index=p)
         emb, norm = plan.variables
@@ -207,10 +208,21 @@ def test_each_process_plans_only_its_own_devices(num_processes):
         seen_devices |= devices
         assert emb.read_bytes == sharded.nbytes // num_processes
         read_ranges += [r for b in emb.blocks for r in b.runs]
-        # Replicated: read once per process, copied to its local devices.
+        # Replicated: held whole by every local device, but read in parts:
+        # each process reads only its devices' parts, once, and the devices
+        # exchange them.
         assert len(norm.blocks) == 1
-        assert norm.read_bytes == replicated.nbytes
         assert len(norm.blocks[0].device_ids) == 8 // num_processes
+        assert norm.exchange is not None and norm.exchange.spec == ("model",)
+        assert norm.read_bytes == replicated.nbytes // num_processes
+        norm_ranges += [r for rnd in norm.exchange.rounds for b in rnd.blocks for r in b.runs]
+        # Without the exchange, each process reads it whole.
+        alone = plan_load(requests, mesh, process_index=p, exchange=False).variables[1]
+        assert alone.exchange is None and alone.read_bytes == replicated.nbytes
+    assert sorted(norm_ranges) == [(replicated.stored.offset + 4 * i, 4) for i in range(32)] or (
+        sum(n for _, n in norm_ranges) == replicated.nbytes
+        and len({o for o, _ in norm_ranges}) == len(norm_ranges)
+    )
     assert seen_devices == set(range(8))
     # Together the processes read every byte of the sharded table exactly once.
     covered = sorted(read_ranges)
@@ -233,3 +245,49 @@ def test_a_process_holding_half_the_columns_reads_only_them():
     assert sum(n for _, n in runs) == ds.nbytes // 2
     row = 32 * 4
     assert all((o - ds.stored.offset) % row >= row // 2 for o, _ in runs)
+
+
+@pytest.mark.parametrize("spec", [("model", None), (None, "model"), (None, None)])
+def test_blocks_held_on_several_processes_are_read_once_per_job(spec, monkeypatch):
+    """2 processes x 4 devices on a (2, 4) mesh whose batch axis spans the
+    processes: every block is held on both. Each process reads a disjoint
+    half of each of its blocks, in rounds of bounded size, and the halves
+    tile the file exactly once."""
+    from keras_hub_dist.load import block_plan
+
+    monkeypatch.setattr(block_plan, "EXCHANGE_ROUND_BYTES", 1024)
+    mesh = FakeMesh({"batch": 2, "model": 4}, num_processes=2)
+    table = _dataset((64, 32), name="t")
+    request = VariableRequest("t", table, spec, np.float32)
+    job = []
+    for p in range(2):
+        (var,) = plan_load([request], mesh, process_index=p).variables
+        exchange = var.exchange
+        assert exchange is not None and exchange.dim == 0
+        entry = spec[0]
+        assert exchange.spec[0] == (("model", "batch") if entry == "model" else "batch")
+        assert exchange.parts == (8 if entry == "model" else 2)
+        # Rounds of at most EXCHANGE_ROUND_BYTES per device's final block.
+        block_bytes = table.nbytes // (1 if spec == (None, None) else 4)
+        assert len(exchange.rounds) == min(block_bytes // 1024, 64 // exchange.parts)
+        assert var.read_bytes == table.nbytes // 2
+        for rnd in exchange.rounds:
+            for block in rnd.blocks:
+                (start, stop) = block.read_index[0]
+                part = block.index[0][0] // (stop - start)
+                rows_per_part = 64 // exchange.parts
+                assert start == part * rows_per_part + rnd.offset  # its piece of its part
+                job += list(block.runs)
+        # The final blocks it holds are unchanged (what device_bytes counts).
+        assert {d for b in var.blocks for d in b.device_ids} == set(range(4 * p, 4 * p + 4))
+    offsets = sorted(job)
+    assert sum(n for _, n in offsets) == table.nbytes
+    for (o1, n1), (o2, _) in itertools.pairwise(offsets):
+        assert o1 + n1 == o2  # disjoint, and together the whole table
+
+
+def test_no_exchange_when_no_dimension_takes_the_parts():
+    mesh = FakeMesh({"batch": 2, "model": 4}, num_processes=2)
+    odd = _dataset((3,), name="odd")  # 3 rows cannot be cut in 2 parts
+    (var,) = plan_load([VariableRequest("odd", odd, (None,), np.float32)], mesh, process_index=0).variables
+    assert var.exchange is None and var.read_bytes == odd.nbytes

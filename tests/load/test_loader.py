@@ -4,6 +4,7 @@ import gc
 import json
 import os
 import shutil
+import threading
 
 import jax
 import keras
@@ -15,7 +16,8 @@ from conftest import MESH_SHAPES
 import keras_hub_dist
 from keras_hub_dist import LayoutError, PresetError, _compat
 from keras_hub_dist.formats import host_io
-from keras_hub_dist.validate import memory
+from keras_hub_dist.measure import memory, program_watch
+from keras_hub_dist.measure.event_samples import sampling_after_calls
 from keras_hub_dist import load_sharded_preset, write_synthetic_preset
 from keras_hub_dist.load.source import resolve_source
 
@@ -195,7 +197,7 @@ def test_no_program_is_compiled_and_nothing_is_random_initialized(gemma_preset):
     def record(executable, name):
         compiled.append((name, memory.compiled_memory(executable).get("output_bytes", 0)))
 
-    with _compat.watch_compilations(record):
+    with program_watch.watch_compilations(record):
         backbone = load_sharded_preset(gemma_preset, mesh=(2, 4))
     # Random init (or any re-shard) would compile an XLA program producing
     # weight-sized outputs. (KerasHub's constructors may compile scalar
@@ -247,7 +249,10 @@ def test_each_byte_read_once_and_no_spike(mesh_shape, tmp_path):
 
 def test_stock_spike_is_visible_to_the_same_measurement(tmp_path):
     # The measurement above can fail: stock from_preset under the same
-    # ModelParallel puts whole tensors on one device first.
+    # ModelParallel makes each tensor whole on device 0 (`assign` converts the
+    # file's array there), then `jax.device_put`s it into its layout. One
+    # sample right after each of those calls, while the whole tensor is still
+    # referenced, sees that moment every time.
     keras.utils.set_random_seed(6)
     kw = dict(FAMILIES["gemma"][1], vocabulary_size=8192, hidden_dim=128, intermediate_dim=256)
     keras_hub.models.GemmaBackbone(**kw, dtype="float32").save_to_preset(str(tmp_path / "p"))
@@ -256,14 +261,19 @@ def test_stock_spike_is_visible_to_the_same_measurement(tmp_path):
     distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     gc.collect()
     with memory.MemorySampler(interval_s=0.001) as sampler:
-        with distribution.scope():
-            keras_hub.models.Backbone.from_preset(str(tmp_path / "p"))
+        with sampling_after_calls(sampler, jax, "device_put") as at_device_put:
+            with distribution.scope():
+                backbone = keras_hub.models.Backbone.from_preset(str(tmp_path / "p"))
+    start, final = sampler.start_per_device, sampler.final_per_device
+    table = 8192 * 128 * 4  # the token embedding, 4 MiB
+    # At the embedding's device_put, device 0 held the whole table.
+    assert max(s[0] - start[0] for s in at_device_put) >= table
     ratios = [
-        (sampler.peak_per_device[d] - sampler.start_per_device[d])
-        / (sampler.final_per_device[d] - sampler.start_per_device[d])
+        (sampler.peak_per_device[d] - start[d]) / (final[d] - start[d])
         for d in sampler.device_ids
     ]
     assert max(ratios) > 2.0
+    del backbone
 
 
 def test_progress_bar(gemma_preset, capsys):
@@ -322,6 +332,41 @@ def test_directory_that_does_not_exist(tmp_path, clean_state):
         load_sharded_preset(missing, mesh=(1, 8))
     assert f"The preset directory {missing!r} does not exist" in str(info.value)
     assert "its parent exists" in str(info.value)
+
+
+def test_a_file_where_a_preset_directory_is_expected(gemma_preset, clean_state):
+    config = os.path.join(gemma_preset, "config.json")
+    with clean_state(), pytest.raises(PresetError) as info:
+        load_sharded_preset(config, mesh=(1, 8))
+    message = str(info.value)
+    assert f"The preset {config!r} is a file. Expected a preset directory" in message
+    assert f"Pass the directory it is in, {gemma_preset!r}" in message
+    assert "does not exist" not in message
+
+
+def test_layout_map_key_that_is_not_a_regular_expression(gemma_preset, clean_state):
+    mesh = keras.distribution.DeviceMesh((1, 8), ("batch", "model"), jax.devices())
+    as_layout_map = keras.distribution.LayoutMap(mesh)
+    as_layout_map["["] = (None, "model")
+    for layout_map in ({"[": (None, "model")}, as_layout_map):
+        with clean_state(), pytest.raises(LayoutError) as info:
+            load_sharded_preset(gemma_preset, mesh=(1, 8), layout_map=layout_map)
+        message = str(info.value)
+        assert "Layout map key '[' is not a valid regular expression (unterminated character set" in message
+        assert "Expected each layout-map key to be a regular expression" in message
+        assert "escape it (re.escape): '\\\\['" in message
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int32", "int8_from_float32"])
+def test_integer_dtype_points_to_quantize(gemma_preset, dtype, clean_state):
+    with clean_state(), pytest.raises(keras_hub_dist.QuantizationError) as info:
+        load_sharded_preset(gemma_preset, mesh=(1, 8), dtype=dtype)
+    message = str(info.value)
+    assert "Weights are loaded in a float dtype. Expected dtype to be a float dtype" in message
+    assert f"Received: dtype={dtype!r}." in message
+    assert 'For int8 weights, load in a float dtype and quantize: quantize="int8"' in message
+    assert "(quantize= takes one of 'int8', 'int4')" in message
+    assert "Cannot convert `policy`" not in message  # not Keras's text
 
 
 def test_invalid_config_json_names_the_file_and_line(gemma_preset, clean_state):
@@ -389,7 +434,7 @@ def test_unsupported_architecture(gemma_preset, tmp_path, clean_state):
     os.makedirs(hf)
     (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with clean_state(), pytest.raises(
-        PresetError, match=r"converter for model_type='llama' cannot read the config.json.*KeyError"
+        PresetError, match=r"converter for model_type='llama' cannot read the config.json.*no key 'rope_theta'"
     ):
         load_sharded_preset(str(hf))
     (hf / "config.json").write_text(json.dumps({"architecture": "llama"}))
@@ -465,7 +510,10 @@ def test_failure_while_reading_leaves_nothing_half_loaded(gemma_preset, monkeypa
     monkeypatch.setattr(host_io, "preadv_full", flaky)
     with clean_state(), pytest.raises(PresetError, match=r"Loading variable '[^']+' .* failed: OSError"):
         load_sharded_preset(gemma_preset, mesh=(2, 4))
-    assert len(calls) == 6
+    # Every reader thread ended with the load: nothing reads on after it
+    # (variables read ahead of the failing one may have finished first).
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("keras_hub_dist-")]
+    assert len(calls) >= 6
 
 
 def test_unknown_or_unavailable_task(gemma_preset, clean_state):

@@ -1,12 +1,14 @@
 """Loading under `jax.distributed` with several processes on this machine.
 
 Each process gets a share of 8 simulated CPU devices and joins a job over
-loopback (gloo collectives). The checks: every process read exactly the byte
-ranges its own devices hold (replicated blocks once per process, nothing
-twice), the global model is one model, and a jitted forward pass gives the
-single-process logits.
+loopback (gloo collectives). The checks: every process reads only byte
+ranges its own devices hold, nothing twice; over the job every byte of the
+weights is read exactly once (blocks held on several processes are read in
+parts and exchanged between the devices); the global model is one model, and
+a jitted forward pass gives the single-process logits.
 """
 
+import hashlib
 import os
 import pathlib
 import sys
@@ -39,6 +41,32 @@ def tiny_preset(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def stock_int8(tiny_preset):
+    """Stock, one process: from_preset, then quantize("int8")."""
+    keras.distribution.set_distribution(None)
+    backbone = keras_hub.models.Backbone.from_preset(tiny_preset)
+    backbone.quantize("int8")
+    return {v.path: np.asarray(v.value) for v in backbone.weights}
+
+
+def _check_quantized(reports, reference, file_bytes, split_over_processes):
+    """Every block each process holds is stock's quantized block, bitwise,
+    from the file bytes of its own blocks (the statistics of row-split
+    kernels came from the other processes through the collective)."""
+    seen = {}
+    for report in reports:
+        for path, blocks in report["quantized_digests"].items():
+            for block, digest in blocks.items():
+                index = tuple(slice(*map(int, b.split(":"))) for b in block.split(","))
+                expected = hashlib.sha256(reference[path][index].tobytes()).hexdigest()
+                assert digest == expected, (path, block)
+                seen.setdefault(path, set()).add(block)
+        if split_over_processes:
+            assert report["quantized_read_bytes"] < file_bytes
+    assert set(seen) == set(reference)
+
+
 def _run_job(preset, num_processes, local_devices, mesh, out_dir):
     return run_job(WORKER, num_processes, local_devices, [preset, mesh, out_dir], out_dir)
 
@@ -57,7 +85,7 @@ def _reference_logits(preset, mesh):
     [(2, 4, "1x8"), (2, 4, "2x4"), (4, 2, "1x8")],
 )
 def test_each_process_reads_only_its_shards(
-    tiny_preset, tmp_path, num_processes, local_devices, mesh
+    tiny_preset, stock_int8, tmp_path, num_processes, local_devices, mesh
 ):
     reports = _run_job(tiny_preset, num_processes, local_devices, mesh, tmp_path)
     index = {e.path: e.source.dataset for e in build_index(
@@ -65,7 +93,9 @@ def test_each_process_reads_only_its_shards(
         os.path.join(tiny_preset, "model.weights.h5"),
     ).entries}
     file_bytes = sum(d.nbytes for d in index.values())
+    all_datasets = merge_ranges((d.offset, d.offset + d.nbytes) for d in index.values())
     seen_devices = []
+    job_reads = []
     for process_id, report in enumerate(reports):
         assert report["process_index"] == process_id
         assert report["process_count"] == num_processes
@@ -81,12 +111,19 @@ def test_each_process_reads_only_its_shards(
                 expected += ranges
                 expected_bytes += sum(b - a for a, b in ranges)
         read = [(offset, offset + n) for offset, n in report["reads"]]
-        # Every byte its devices hold, nothing else, and nothing twice.
-        assert merge_ranges(read) == merge_ranges(expected), f"process {process_id}"
-        assert sum(n for _, n in report["reads"]) == expected_bytes
-        if mesh == "1x8":  # the model axis spans the processes
-            assert expected_bytes < file_bytes
+        job_reads += read
+        # Only bytes its own devices hold, none twice, and less than the file.
+        held = merge_ranges(expected)
+        assert all(any(a <= start and end <= b for a, b in held) for start, end in read), process_id
+        assert sum(n for _, n in report["reads"]) == sum(b - a for a, b in merge_ranges(read))
+        assert sum(n for _, n in report["reads"]) < file_bytes
+    # Over the job, every byte of the weights is read exactly once: blocks
+    # that devices of several processes hold (the batch axis of 2x4 spans
+    # them; replicated norms everywhere) are read in parts and exchanged.
+    assert merge_ranges(job_reads) == all_datasets
+    assert sum(b - a for a, b in job_reads) == file_bytes
     assert len(set(seen_devices)) == 8  # disjoint local devices, one global mesh
+    _check_quantized(reports, stock_int8, file_bytes, mesh == "1x8")
 
     reference = _reference_logits(tiny_preset, mesh)
     for process_id in range(num_processes):
@@ -110,10 +147,17 @@ def test_each_process_reads_only_its_shards(
 
 
 
-def test_hugging_face_checkpoint_each_process_reads_only_its_share(tmp_path):
+@pytest.mark.parametrize("mesh,device_transposes", [("1x8", False), ("2x4", True)])
+def test_hugging_face_checkpoint_each_process_reads_only_its_share(
+    tmp_path, monkeypatch, mesh, device_transposes
+):
     """The same guarantees for a Hugging Face checkpoint: each process reads
-    exactly the bytes of the blocks its devices hold (transposed kernels
-    included), and the model computes the single-process logits."""
+    only bytes of the blocks its devices hold (transposed kernels included),
+    the job every byte once, and the model computes the single-process
+    logits. On 2x4 every block is held on both processes (exchanged), and
+    every kernel is transposed on the devices, as large ones are."""
+    if device_transposes:
+        monkeypatch.setenv("KHD_DEVICE_TRANSPOSE_MIN_BYTES", "0")
     from tests.formats.hf import dense
     from tests.formats.hf.writer import write_hf_checkpoint
 
@@ -125,8 +169,13 @@ def test_hugging_face_checkpoint_each_process_reads_only_its_share(tmp_path):
     preset = write_hf_checkpoint(str(tmp_path / "hf_llama"), config, tensors, num_shards=2)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    reports = _run_job(preset, 2, 4, "1x8", out_dir)
+    reports = _run_job(preset, 2, 4, mesh, out_dir)
     file_bytes = sum(t.nbytes for t in tensors.values())
+    header_bytes = 0
+    for name in os.listdir(preset):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(preset, name), "rb") as f:
+                header_bytes += 8 + int.from_bytes(f.read(8), "little")
     total = 0
     for report in reports:
         held_bytes = sum(
@@ -135,12 +184,13 @@ def test_hugging_face_checkpoint_each_process_reads_only_its_share(tmp_path):
             for block in held["blocks"]
         )
         read_bytes = sum(n for _, n in report["reads"])
-        assert read_bytes == held_bytes  # its own blocks, each once
+        assert read_bytes <= held_bytes  # its own blocks (or parts of them)
         assert read_bytes < file_bytes
+        # ... and each file's header once: its length, then the JSON.
+        assert sum(n for _, n in report["header_reads"]) == header_bytes
         total += read_bytes
-    replicated = sum(t.nbytes for t in tensors.values() if t.ndim == 1)
-    assert total == file_bytes + replicated  # norms: once per process
-    reference = _reference_logits(preset, "1x8")
+    assert total == file_bytes  # every byte once over the job, norms included
+    reference = _reference_logits(preset, mesh)
     for process_id in range(2):
         logits = np.load(out_dir / f"logits_{process_id}.npy")
         np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)

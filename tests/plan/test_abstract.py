@@ -12,7 +12,7 @@ from conftest import MESH_SHAPES
 
 import keras_hub_dist
 from keras_hub_dist import _compat
-from keras_hub_dist.validate import memory
+from keras_hub_dist.measure import memory
 from keras_hub_dist.plan import presets
 from keras_hub_dist.plan.abstract import per_device_bytes
 from keras_hub_dist.plan.mesh import abstract_device_mesh

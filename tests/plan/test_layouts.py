@@ -13,7 +13,7 @@ from keras_hub_dist.plan import specs as spec_lib
 from keras_hub_dist.plan import layouts
 from keras_hub_dist.plan import presets
 from keras_hub_dist.plan.abstract import per_device_bytes
-from keras_hub_dist.plan.abstract import variable_specs
+from keras_hub_dist.plan.build import variable_specs
 from keras_hub_dist.plan.mesh import abstract_device_mesh
 
 MODEL_AXES = [1, 2, 4, 8, 16]

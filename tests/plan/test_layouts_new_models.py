@@ -24,7 +24,7 @@ from keras_hub_dist import _compat
 from keras_hub_dist.plan import layouts
 from keras_hub_dist.plan import presets
 from keras_hub_dist.plan import specs as spec_lib
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.plan.build import build_without_values
 from keras_hub_dist.plan.abstract import per_device_bytes
 from keras_hub_dist.plan.mesh import abstract_device_mesh
 from conftest import EXPERT_BANK

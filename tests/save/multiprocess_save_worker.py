@@ -11,11 +11,12 @@ tests/save/test_hf_export_multiprocess.py),
 recording every byte range this process writes. MODE:
 
 - `ok`: a plain save;
+- `durable`: a save with `durable=True`, recording every path it fsyncs;
 - `fail_write`: process 1's second positioned write raises `OSError`;
 - `different_target`: process 1 passes TARGET + "_other".
 
-Writes `OUT_DIR/process_<id>.json` (the writes, the blocks its devices hold,
-and the error raised, if any). Exits with 77 when the platform cannot run a
+Writes `OUT_DIR/process_<id>.json` (the writes, the paths fsynced, the
+blocks its devices hold, and the error raised, if any). Exits with 77 when the platform cannot run a
 multi-process JAX job.
 """
 
@@ -50,19 +51,27 @@ def main() -> None:
         writes.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, n))
         return n
 
+    fsynced: list[str] = []
+    original_fsync = os.fsync
+
+    def recording_fsync(fd):
+        fsynced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return original_fsync(fd)
+
     if mode == "different_target" and process_id == 1:
         target = target + "_other"
-    os.pwritev = recording_pwritev
+    os.pwritev, os.fsync = recording_pwritev, recording_fsync
     error = None
     try:
         extra = {"max_shard_size": "100KB"} if save_format == "huggingface" else {}
         keras_hub_dist.save_sharded_preset(
-            backbone, target, overwrite=True, progress=False, format=save_format, **extra
+            backbone, target, overwrite=True, progress=False, format=save_format,
+            durable=mode == "durable", **extra
         )
     except Exception as e:  # noqa: BLE001 - reported to the test
         error = f"{type(e).__name__}: {e}"
     finally:
-        os.pwritev = original_pwritev
+        os.pwritev, os.fsync = original_pwritev, original_fsync
 
     held = {}
     for variable in backbone.weights:
@@ -77,7 +86,7 @@ def main() -> None:
             }
         )
     with open(os.path.join(out_dir, f"process_{process_id}.json"), "w") as handle:
-        json.dump({"writes": writes, "held": held, "error": error}, handle)
+        json.dump({"writes": writes, "fsynced": fsynced, "held": held, "error": error}, handle)
     jax.distributed.shutdown()
 
 

@@ -21,7 +21,7 @@ from keras_hub_dist import PresetError, SaveError, load_sharded_preset, save_sha
 from keras_hub_dist import write_synthetic_preset
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.save import hf_export
-from keras_hub_dist.validate import memory
+from keras_hub_dist.measure import memory
 from tests.formats.hf import dense, moe, recent
 from tests.formats.hf.writer import write_hf_checkpoint
 

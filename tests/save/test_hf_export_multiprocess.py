@@ -71,6 +71,10 @@ def test_each_process_writes_only_its_elements_once(id_checkpoint, tmp_path):
     for name in files:
         assert (target / name).read_bytes() == (root / "ids" / name).read_bytes(), name
 
+    # The workers' variable paths, in `backbone.weights` order: Keras numbers
+    # auto-named layers per process, so this process's names may differ.
+    paths = list(reports[0]["held"])
+    assert len(paths) == len(variables) and paths == list(reports[1]["held"])
     starts = {name: _data_start(target / name) for name in files}
     sizes = {name: os.path.getsize(target / name) for name in files}
     everything = []
@@ -86,7 +90,7 @@ def test_each_process_writes_only_its_elements_once(id_checkpoint, tmp_path):
                 ids = np.frombuffer(f.read(count), np.float32).astype(np.int64)
             for element in ids:
                 k, flat = divmod(int(element), STRIDE)
-                path, shape = variables[k]
+                path, shape = paths[k], variables[k][1]
                 index = np.unravel_index(flat, shape)
                 assert any(all(a <= i < b for i, (a, b) in zip(index, block)) for block in held[path]), (
                     process, path, index)

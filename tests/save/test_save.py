@@ -2,6 +2,7 @@
 writes (dataset for dataset), loadable by stock and by us on other meshes,
 no device spike, crash-safe, checksummed, and clear errors."""
 
+import contextlib
 import gc
 import json
 import os
@@ -19,9 +20,10 @@ from keras_hub_dist import _compat
 from keras_hub_dist import PresetError, SaveError, load_sharded_preset, save_sharded_preset
 from keras_hub_dist import write_synthetic_preset
 from keras_hub_dist.formats import checksums, keras_h5
-from keras_hub_dist.plan.abstract import build_without_values
+from keras_hub_dist.plan.build import build_without_values
 from keras_hub_dist.save import saver
-from keras_hub_dist.validate import memory
+from keras_hub_dist.measure import memory
+from keras_hub_dist.measure.event_samples import sampling_after_calls
 
 SMALL = dict(
     vocabulary_size=512, num_layers=2, num_query_heads=8, num_key_value_heads=8,
@@ -93,30 +95,24 @@ def _assert_same_preset(ours, stock, weights_name=None):
             assert values_a.shape == values_b.shape and values_a.tobytes() == values_b.tobytes(), name
 
 
-def _save_with_sampler(model, path, monkeypatch=None, **kwargs):
-    """Saves; returns (max over devices of peak / before, max added bytes).
+def _save_with_sampler(model, path, at_each_write=False, **kwargs):
+    """Saves; returns (max over devices of peak / before, max added bytes,
+    the samples taken as each value was written).
 
-    With `monkeypatch`, one sample is also taken as each value is written:
-    a value that lives only while it is written (a merged LoRA kernel) is
-    then seen however busy the machine is, not only when the background
-    thread happens to sample in that moment. Earlier tests' garbage is
-    collected first: an array of theirs freed mid-save would hide bytes."""
-    gc.collect()
+    With `at_each_write`, one sample is also taken as each value is written
+    (`sampling_after_calls` on `saver.write_value`): a value that lives
+    only while it is written (a merged LoRA kernel) is then measured at
+    that moment, not only when the background thread happens to sample."""
+    gc.collect()  # earlier tests' garbage must not be freed mid-sample
     with memory.MemorySampler() as sampler:
-        if monkeypatch is not None:
-            write_value = saver.write_value
-
-            def sampled_write_value(*args, **kw):
-                gc.collect()  # a value already written may wait in a cycle
-                sampler.sample()
-                return write_value(*args, **kw)
-
-            monkeypatch.setattr(saver, "write_value", sampled_write_value)
-        save_sharded_preset(model, path, **kwargs)
+        with (sampling_after_calls(sampler, saver, "write_value") if at_each_write
+              else contextlib.nullcontext([])) as at_writes:
+            save_sharded_preset(model, path, **kwargs)
     devices = [d for d in sampler.start_per_device if sampler.start_per_device[d]]
     ratio = max(sampler.peak_per_device[d] / sampler.start_per_device[d] for d in devices)
     added = max(sampler.peak_per_device[d] - sampler.start_per_device[d] for d in devices)
-    return ratio, added
+    at_writes = [{d: s[d] - sampler.start_per_device[d] for d in devices} for s in at_writes]
+    return ratio, added, at_writes, sampler
 
 
 def _assert_same_weights(a, b):
@@ -129,7 +125,7 @@ def _assert_same_weights(a, b):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_backbone_saves_what_stock_saves(family, mesh_shape, presets, tmp_path):
     model = load_sharded_preset(presets[family], mesh=mesh_shape, progress=False)
-    peak, _ = _save_with_sampler(model, str(tmp_path / "ours"))
+    peak, *_ = _save_with_sampler(model, str(tmp_path / "ours"))
     assert peak <= 1.0  # no device computes or gathers anything
     model.save_to_preset(str(tmp_path / "stock"))  # stock, same model
     _assert_same_preset(str(tmp_path / "ours"), str(tmp_path / "stock"))
@@ -181,24 +177,35 @@ def test_multi_file_weights_as_keras_shards_them(presets, tmp_path):
                                              progress=False))
 
 
-def test_lora_saves_merged_kernels_like_stock(presets, tmp_path, monkeypatch):
+def test_lora_saves_merged_kernels_like_stock(presets, tmp_path):
     model = load_sharded_preset(presets["llama"], mesh=(1, 8), progress=False)
     model.enable_lora(rank=2)
     rng = np.random.default_rng(0)
     for variable in model.trainable_variables:  # the LoRA factors
         variable.assign(rng.standard_normal(variable.shape).astype("float32") * 0.1)
-    _, added = _save_with_sampler(model, str(tmp_path / "ours"), monkeypatch)
+    _, added, at_writes, sampler = _save_with_sampler(model, str(tmp_path / "ours"), at_each_write=True)
     model.save_to_preset(str(tmp_path / "stock"))
     _assert_same_preset(str(tmp_path / "ours"), str(tmp_path / "stock"))
-    # Keras computes a merged kernel replicated (its LoRA factors are); it
-    # exists on the devices only while it is written: one at a time, never
-    # all four of the model at once.
-    kernel_bytes = [
-        int(np.prod(layer._kernel.shape)) * 4
-        for layer in model._flatten_layers() if getattr(layer, "lora_enabled", False)
-    ]
-    assert len(kernel_bytes) == 4
-    assert 0 < added <= max(kernel_bytes) + 1024
+    lora_layers = [layer for layer in model._flatten_layers() if getattr(layer, "lora_enabled", False)]
+    assert len(lora_layers) == 4
+    kernel = int(np.prod(lora_layers[0]._kernel.shape)) * 4  # f32, all four alike
+    assert all(int(np.prod(layer._kernel.shape)) * 4 == kernel for layer in lora_layers)
+    # Measured at each write: a merged kernel is written in the kernel's own
+    # sharding (JAX's `kernel + update` takes the sharded operand's), so the
+    # only bytes added while it is written are one device's block of it.
+    merged = [s for s in at_writes if any(s.values())]
+    assert len(merged) == 4
+    shard = kernel // 8  # mesh (1, 8): the kernel is split over 8 devices
+    assert all(s == dict.fromkeys(s, shard) for s in merged), merged
+    # Computing the merge is what costs: Keras's `(alpha / rank) *
+    # matmul(lora_a, lora_b)` makes the LoRA product whole on every device
+    # (its factors are replicated), then its scaled copy beside it, plus the
+    # scalar: 2 kernels + 4 bytes per device for a moment, one layer at a
+    # time (never all four), plus at most the temp of a program running
+    # then. The background thread may or may not see that moment; whatever
+    # it sees lies between the two bounds.
+    temps = max(sampler.temp_per_device.values())
+    assert shard <= added <= 2 * kernel + 4 + temps, (added, kernel, temps)
 
 
 def test_overwrite_replaces_only_when_complete(presets, tmp_path):

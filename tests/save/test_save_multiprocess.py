@@ -4,7 +4,8 @@ Checks: each process writes only bytes of blocks its own devices hold, every
 byte of every dataset is written exactly once over the job, stock KerasHub
 loads the result bitwise equal, and the checksums verify. A write failure on
 one process and disagreeing targets raise on every process and leave the
-target untouched.
+target untouched. With `durable=True` each process flushes the file it
+wrote, process 0 everything else.
 """
 
 import hashlib
@@ -112,3 +113,21 @@ def test_a_failure_on_one_process_leaves_the_target_untouched(tiny_preset, tmp_p
         assert all("same preset_dir" in e and "_other" in e for e in errors), errors
     assert _digest(target) == before
     assert sorted(os.listdir(tmp_path)) == ["reports", "saved"]  # no staging left
+
+
+def test_durable_each_process_flushes_what_it_wrote(tiny_preset, tmp_path):
+    target = tmp_path / "saved"
+    reports = run_job(WORKER, 2, 4, [tiny_preset, "2x4", target, tmp_path, "durable"], tmp_path)
+    assert [r["error"] for r in reports] == [None, None]
+    assert all(r["writes"] for r in reports)  # both wrote blocks of the weights
+    (staging,) = {os.path.dirname(p) for p in reports[1]["fsynced"]}
+    assert os.path.basename(staging).startswith(".saved.partial-")
+    # Process 1: the weights file it wrote to, nothing else.
+    assert set(reports[1]["fsynced"]) == {os.path.join(staging, "model.weights.h5")}
+    # Process 0: every file and directory of the preset, the parent around the rename.
+    flushed = set(reports[0]["fsynced"])
+    assert {os.path.join(staging, n) for n in os.listdir(target)} | {staging, str(tmp_path)} <= flushed
+    keras.distribution.set_distribution(None)
+    _assert_same_weights(keras_hub.models.Backbone.from_preset(tiny_preset),
+                         keras_hub_dist.load_sharded_preset(str(target), mesh=(1, 8), verify=True,
+                                                            progress=False))

@@ -8,14 +8,15 @@ each buffer counted once even when several arrays share it), plus the
 temporary buffers of the XLA programs compiled while sampling
 (`compiled.memory_analysis().temp_size_in_bytes`), which never appear as
 arrays. Host memory is the process's resident set and its high-water mark
-(`keras_hub_dist.validate.host_rss`, whose functions this module re-exports).
+(`keras_hub_dist.measure.host_rss`, whose functions this module re-exports).
+Compilations and runs are seen through `keras_hub_dist.measure.program_watch`.
 
 Example:
 
 ```python
 import jax
 import jax.numpy as jnp
-from keras_hub_dist.validate import memory
+from keras_hub_dist.measure import memory
 
 with memory.MemorySampler() as sampler:
     x = jnp.ones((1024, 1024))  # 4 MiB on device 0
@@ -35,8 +36,8 @@ from typing import Any
 
 import jax
 
-from keras_hub_dist import _compat
-from keras_hub_dist.validate.host_rss import (
+from keras_hub_dist.measure import program_watch
+from keras_hub_dist.measure.host_rss import (
     current_rss_bytes,
     host_peak_rss_bytes,
     reset_host_peak_rss,
@@ -488,9 +489,9 @@ class MemorySampler:
         self.host_start_rss = current_rss_bytes()
         self.start_per_device = dict(self.sample())
         if self.watch_compiles:
-            runs = _compat.watch_executions(self._on_execute)
+            runs = program_watch.watch_executions(self._on_execute)
             self._watching_runs = runs.__enter__()
-            compiles = _compat.watch_compilations(self._on_compile)
+            compiles = program_watch.watch_compilations(self._on_compile)
             compiles.__enter__()
             self._watches = [compiles, runs]
         self._stop.clear()

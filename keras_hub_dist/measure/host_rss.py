@@ -9,7 +9,7 @@ Outside Linux the peak is `getrusage`'s `ru_maxrss`, which cannot be reset.
 Example:
 
 ```python
-from keras_hub_dist.validate import host_rss
+from keras_hub_dist.measure import host_rss
 
 host_rss.reset_host_peak_rss()
 before = host_rss.current_rss_bytes()

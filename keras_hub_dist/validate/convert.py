@@ -18,9 +18,15 @@ plus the plan, whatever the model's size (`BENCHMARKS.md`). A value that is not
 a pure rearrangement of stored tensors (gpt-oss's MXFP4 experts) is
 converted tile by tile in the variable's own layout instead.
 
-Same crash safety as `save_sharded_preset`: written into
-`.<name>.partial-<token>` beside the target, checksummed, renamed into place
-when complete; a failure (or a kill) leaves the target untouched.
+Same crash safety as `save_sharded_preset` (`save.staging`): written into
+`.<name>.partial-<token>` beside the target, with its owner record,
+checksummed, renamed into place when complete; a failure (or a kill) leaves
+the target untouched, and the next save or conversion to that target removes
+what a killed one left. Sources are what `load_sharded_preset` reads
+(`load.source`, `formats.locations`): a directory, a KerasHub handle, or a
+remote location read by byte ranges. It reads like the loader and writes
+like the saver, so it sits in the room above both, beside the command line
+that runs it (`keras-hub-dist convert`, `validate.cli`).
 
 Example:
 
@@ -35,7 +41,6 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,12 +56,14 @@ from keras_hub_dist.formats import checksums, host_io, keras_h5
 from keras_hub_dist.formats.base import Index, StoredTensor, TensorSource
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.pieces import NotAffine, Piece, block_writes, identity, pieces_of
-from keras_hub_dist.formats.safetensors_files import INDEX_FILE, checkpoint_files
+from keras_hub_dist.formats.locations import Location, is_remote, open_location
+from keras_hub_dist.formats.ranged_http import RangeClient
+from keras_hub_dist.formats.safetensors_files import checkpoint_files
 from keras_hub_dist.formats.safetensors_writer import plan_files
 from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
 from keras_hub_dist.load.tasks import task_class
 from keras_hub_dist.plan.abstract import build_without_values
-from keras_hub_dist.save import hf_export, saver
+from keras_hub_dist.save import hf_export, saver, staging
 from keras_hub_dist.save.hf_mapping import hf_mapping
 from keras_hub_dist.save.piece_write import PieceWriter
 
@@ -132,7 +139,7 @@ class _Worker:
     """One converting thread: its files, its read buffer, its write buffer."""
 
     def __init__(self, on_written: Callable[[str, Any], None] | None) -> None:
-        self.reads = host_io.FileDescriptors(os.O_RDONLY)
+        self.reads = host_io.Readers()
         self.writer = PieceWriter(host_io.FileDescriptors(os.O_WRONLY), on_written=on_written)
         self.buffer = host_io.aligned_empty((TILE_BYTES,), np.uint8)
         self.bytes_read = 0
@@ -144,7 +151,8 @@ class _Worker:
         if job.stored is None or nbytes > len(self.buffer):
             return job.read(box)
         out = self.buffer[:nbytes].view(job.dtype).reshape(shape)
-        host_io.read_runs(self.reads(job.stored.file), job.stored.block_runs(box), out)
+        file = self.reads(job.stored.file, job.stored.opened)
+        file.read_stretches(host_io.run_stretches(job.stored.block_runs(box), out))
         return out
 
     def convert(self, job: _Job, box: Index) -> int:
@@ -210,13 +218,13 @@ def _source_dtype(config: dict[str, Any], checkpoint: Any, backbone_config: dict
     return "float32"
 
 
-def _task(source: Any, backbone: Any, metadata: dict[str, Any], wanted: str | None) -> Any:
+def _task(location: Location, label: str, backbone: Any, wanted: str | None) -> Any:
     """The CausalLM around `backbone` with the source's preprocessor, or None."""
     if wanted is None:
         return None
     try:
-        cls = task_class("causal_lm" if wanted == "auto" else wanted, type(backbone), metadata, source.label)
-        return cls.from_preset(source.ref, load_weights=False, backbone=backbone)
+        cls = task_class("causal_lm" if wanted == "auto" else wanted, type(backbone), read_metadata(location), label)
+        return cls.from_preset(location.keras_hub_dir(), load_weights=False, backbone=backbone)
     except Exception:  # noqa: BLE001 - no tokenizer to carry over
         if wanted == "auto":
             return None
@@ -271,74 +279,79 @@ def convert_checkpoint(
         raise SaveError(f"Expected to= one of {TARGETS}. Received: to={to!r}.")
     wanted_dtype = hf_export.check_dtype(dtype, to)
     resolved = resolve_source(source)
-    config = read_config(resolved)
-    checkpoint = checkpoint_format(config, resolved.label)
+    client = RangeClient() if is_remote(resolved.ref) else None
+    try:
+        with open_location(resolved.ref, resolved.label, client=client) as location:
+            return _convert(
+                location, resolved.label, os.path.abspath(os.fspath(target)), to, dtype, wanted_dtype,
+                task, overwrite, progress, max_shard_size, num_threads,
+            )
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _convert(
+    location: Location, label: str, destination: str, to: str, dtype: Any, wanted_dtype: np.dtype | None,
+    task: str | None, overwrite: bool, progress: bool | None, max_shard_size: Any, num_threads: int,
+) -> ConvertStats:
+    config = read_config(location)
+    checkpoint = checkpoint_format(config, label)
     if checkpoint.FORMAT == to or (checkpoint is keras_h5 and to == "keras"):
         raise SaveError(
-            f"The source {resolved.label!r} is already in the {to} format. Expected a "
+            f"The source {label!r} is already in the {to} format. Expected a "
             f"{'Hugging Face checkpoint' if to == 'keras' else 'KerasHub preset'} to convert "
             "to it; copy the directory instead."
         )
-    destination = os.path.abspath(os.fspath(target))
-    error = saver._target_error(destination, overwrite)
-    if error:
-        raise SaveError(f"Cannot save to {destination!r}: {error}")
-    backbone_cls, backbone_config = checkpoint.backbone_config(config, resolved.label)
+    saver._claim_target(destination, overwrite)
+    backbone_cls, backbone_config = checkpoint.backbone_config(config, label)
     model_dtype = dtype if dtype is not None else _source_dtype(config, checkpoint, backbone_config)
     backbone, created = build_without_values(backbone_cls, {**backbone_config, "dtype": model_dtype})
     try:
-        index = checkpoint.index_checkpoint(backbone, resolved.ref, resolved.label, config)
-        task_model = _task(resolved, backbone, read_metadata(resolved), task)
+        index = checkpoint.index_checkpoint(backbone, location, label, config)
+        task_model = _task(location, label, backbone, task)
         sources = {id(e.variable): e.source for e in index.entries}
         datasets = keras_h5.expected_datasets(backbone)
         convert = _to_huggingface if to == "huggingface" else _to_keras
         return convert(
-            backbone, task_model, sources, datasets, resolved.ref, destination,
+            backbone, task_model, sources, datasets, location, destination,
             wanted_dtype, progress, max_shard_size, num_threads,
         )
     finally:
         _compat.forget_deferred_variables(created)
 
 
-def _staging(destination: str) -> tuple[str, str]:
-    parent, base = os.path.split(destination)
-    token = secrets.token_hex(6)
-    return os.path.join(parent, f".{base}.partial-{token}"), token
-
-
 def _to_huggingface(
     backbone: Any, task: Any, sources: dict[int, TensorSource], datasets: dict[str, Any],
-    ref: str, destination: str, dtype: np.dtype | None, progress: bool | None, max_shard_size: Any,
-    num_threads: int,
+    location: Location, destination: str, dtype: np.dtype | None, progress: bool | None,
+    max_shard_size: Any, num_threads: int,
 ) -> ConvertStats:
     tokenizer = getattr(getattr(task, "preprocessor", None), "tokenizer", None)
     mapping = hf_mapping(backbone, tokenizer=tokenizer, dtype=dtype)
     layout = plan_files(mapping.tensors, hf_export.shard_size(max_shard_size))
     specs = {t.name: t for t in layout.tensors}
-    staging, token = _staging(destination)
-    paths = [os.path.join(staging, f.name) for f in layout.files]
+    token = secrets.token_hex(6)
+    folder = staging.staging_path(*os.path.split(destination), token)
+    paths = [os.path.join(folder, f.name) for f in layout.files]
     stats = ConvertStats()
     try:
-        hf_export._prepare(staging, layout, backbone, task, mapping)
+        hf_export._prepare(destination, token, False, layout, backbone, task, mapping)
         jobs = []
         for name, pairs in mapping.pieces.items():
             source = sources[id(datasets[name])]
             targets = []
             for tensor, piece in pairs:
                 file, offset = layout.place(tensor)
-                targets.append((os.path.join(staging, file), piece, offset, np.dtype(specs[tensor].dtype)))
+                targets.append((os.path.join(folder, file), piece, offset, np.dtype(specs[tensor].dtype)))
             jobs.append(_Job(
                 mapping.shapes[name], np.dtype(source.dtype), source.read, tuple(targets),
                 _keeps_order([p for _, p in pairs]), source.stored,
             ))
-        pending = {os.path.join(staging, f.name): [(len(f.header), f.size)] for f in layout.files}
+        pending = {os.path.join(folder, f.name): [(len(f.header), f.size)] for f in layout.files}
         digests = _write_all(jobs, layout.total_size, destination, progress, stats, num_threads, pending, paths)
-        with open(os.path.join(staging, INDEX_FILE), "w", encoding="utf-8") as f:
-            f.write(hf_export.checksummed_index(layout, paths, digests))
-        saver._publish(staging, destination, token)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        hf_export._finish(folder, destination, layout, paths, digests, token, False)
+    finally:  # the owner record, and the staging directory unless published
+        staging.discard(destination, token)
     return stats
 
 
@@ -363,16 +376,16 @@ def _write_all(
     return hasher.table()
 
 
-def _leaf_tensors(ref: str) -> dict[tuple[str, int], StoredTensor]:
+def _leaf_tensors(location: Location) -> dict[tuple[str, int], StoredTensor]:
     """Every stored tensor of a Hugging Face checkpoint, by `(file, offset)`."""
-    files = checkpoint_files(ref)
+    files = checkpoint_files(location)
     return {(t.file, t.offset): t for h in files.headers.values() for t in h.tensors.values()}
 
 
 def _to_keras(
     backbone: Any, task: Any, sources: dict[int, TensorSource], datasets: dict[str, Any],
-    ref: str, destination: str, dtype: np.dtype | None, progress: bool | None, max_shard_size: Any,
-    num_threads: int,
+    location: Location, destination: str, dtype: np.dtype | None, progress: bool | None,
+    max_shard_size: Any, num_threads: int,
 ) -> ConvertStats:
     names = _compat.preset_file_names()
     limit = 10 if max_shard_size is None else max_shard_size
@@ -382,13 +395,14 @@ def _to_keras(
     )
     if task is not None and task.has_task_weights():
         raise SaveError("Expected a task without task weights (a causal LM). Received one with task weights.")
-    staging, token = _staging(destination)
+    token = secrets.token_hex(6)
+    folder = staging.staging_path(*os.path.split(destination), token)
     stats = ConvertStats()
     try:
-        saver._prepare(staging, backbone, task, [weight_set], names)
-        weights = os.path.join(staging, weight_set.file_name)
+        saver._prepare(destination, token, False, backbone, task, [weight_set], names)
+        weights = os.path.join(folder, weight_set.file_name)
         on_disk = keras_h5.read_datasets(keras_h5.weights_files(weights))
-        leaves = _leaf_tensors(ref)
+        leaves = _leaf_tensors(location)
         by_leaf: dict[tuple[str, int], list[tuple[str, Piece, int, np.dtype]]] = {}
         jobs: list[_Job] = []
         for name, variable in datasets.items():
@@ -416,15 +430,14 @@ def _to_keras(
             jobs.append(_Job(leaf.shape, leaf.dtype, leaf.read, tuple(targets),
                              _keeps_order([p for _, p, _, _ in targets]), leaf))
         total = sum(d.nbytes for d in weight_set.layout.datasets)
-        files = saver._weights_files(staging, [weight_set])
+        files = saver._weights_files(folder, [weight_set])
         pending: dict[str, list[tuple[int, int]]] = {}
         for info in on_disk.values():
             pending.setdefault(info.file, []).append((info.offset, info.offset + info.nbytes))
         digests = _write_all(jobs, total, destination, progress, stats, num_threads, pending, files)
-        saver._finish(staging, destination, backbone, files, digests, token, names)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        saver._finish(folder, destination, backbone, files, digests, token, names, False)
+    finally:  # the owner record, and the staging directory unless published
+        staging.discard(destination, token)
     return stats
 
 

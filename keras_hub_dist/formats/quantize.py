@@ -1,0 +1,439 @@
+"""Quantized variables as tensor sources, computed block by block on the host.
+
+`load_sharded_preset(..., quantize="int8" | "int4")` fills each quantized
+variable from a `TensorSource` like any other: the loader plans, reads and
+places its blocks, and nothing but quantized blocks ever reaches a device.
+For one float tensor (`plan.quantization.QuantizedTensor`) a
+`TensorQuantizer` reads blocks of the float source (cast on the host to the
+float variable's dtype, as stock assigns it), and computes with
+`quantize_math` (Keras's own NumPy steps, bitwise):
+
+- `values_source()`: the int8 values (int4 values packed two per byte), of
+  any block;
+- `scale_source()`, `zero_source()`: scale and zero point of any block, in
+  the variable's dtype.
+
+The values of a block need the statistics of its channels over the whole
+reduced extent (int8: `max |x|` over the reduced axes; int4: per-group `min`
+/ `max`). A block that spans that extent (or holds whole groups) computes
+them itself and keeps them for the scale and zero (small: one per channel or
+group); the scale and zero read them from there, or compute them from the
+float tensor if no values block did. Where the layout splits the reduced
+extent across devices (row-parallel projections), `combine_statistics` runs
+first: each process reads its own blocks once, reduces them on the host to
+partial statistics, and one small collective (`np.maximum` over processes of
+a vector, never the kernel) completes them on every process.
+
+Example:
+
+```python
+quantizer = TensorQuantizer(tensor, float_source, "bfloat16")
+quantizer.values_source().read(((0, 64), (0, 32)))   # int8 block
+quantizer.scale_source().read(((0, 32),))            # its scale block
+```
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from keras_hub_dist import _processes
+from keras_hub_dist.errors import PresetError
+from keras_hub_dist.formats import host_io, transforms
+from keras_hub_dist.formats import quantize_math as qm
+from keras_hub_dist.formats.base import Index, TensorSource, numpy_dtype
+from keras_hub_dist.formats.flat_reshape import blockwise_reshape
+from keras_hub_dist.plan.quantization import (
+    Int4Rule,
+    Int8Rule,
+    QuantizedTensor,
+    scale_shape,
+    values_shape,
+)
+
+__all__ = [
+    "SLAB_BYTES",
+    "TensorQuantizer",
+    "combine_statistics",
+    "group_index_source",
+    "sharding_blocks",
+]
+
+# A block is read and quantized in slabs of about this many float bytes, so
+# the host holds a few slabs of temporaries per reader thread, not the block.
+SLAB_BYTES = 16 << 20
+# Slabs of one block computed at once (the loader's reader threads each run
+# a block; a union of blocks, read in one call, still uses the cores).
+SLAB_THREADS = min(8, os.cpu_count() or 1)
+_BFLOAT16 = numpy_dtype("bfloat16")
+
+
+def _full(shape: Sequence[int]) -> Index:
+    return tuple((0, int(d)) for d in shape)
+
+
+def _contains(outer: Index, inner: Index) -> bool:
+    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
+
+
+def _slices(index: Index, origin: Index) -> tuple[slice, ...]:
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(index, origin))
+
+
+def _map(fn: Any, slabs: Sequence[Index]) -> list[Any]:
+    """`[fn(slab) for slab in slabs]`, `SLAB_THREADS` at a time."""
+    if len(slabs) < 2 or SLAB_THREADS < 2:
+        return [fn(slab) for slab in slabs]
+    with ThreadPoolExecutor(min(SLAB_THREADS, len(slabs)), "keras_hub_dist-quantize") as pool:
+        return list(pool.map(fn, slabs))
+
+
+def _fresh(array: np.ndarray, dtype: Any) -> np.ndarray:
+    out = host_io.aligned_empty(array.shape, dtype)
+    out[...] = array
+    return out
+
+
+class _Derived(TensorSource):
+    """One variable of a quantized tensor (values, scale or zero)."""
+
+    def __init__(self, quantizer: TensorQuantizer, part: str, shape: tuple[int, ...], dtype: Any) -> None:
+        self.quantizer, self.part = quantizer, part
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.description = f"{part} of {quantizer.tensor.mode} {quantizer.source.description}"
+
+    def read(self, index: Index) -> np.ndarray:
+        return _fresh(getattr(self.quantizer, self.part)(tuple(index)), self.dtype)
+
+    def read_nbytes(self, index: Index) -> int:
+        return self.quantizer.read_nbytes(self.part, tuple(index))
+
+
+class TensorQuantizer:
+    """Computes the quantized variables of one float tensor, block by block.
+
+    Args:
+        tensor: The quantized tensor (its rule and variables).
+        source: The float tensor's values (the checkpoint's, any dtype).
+        float_dtype: The float variable's dtype (what stock's `quantize`
+            computes in: the model's variable dtype).
+    """
+
+    def __init__(self, tensor: QuantizedTensor, source: TensorSource, float_dtype: Any) -> None:
+        self.tensor, self.source = tensor, source
+        self.rule = tensor.rule
+        self.float_dtype = numpy_dtype(float_dtype)
+        x = source if np.dtype(source.dtype) == self.float_dtype else transforms.Cast(source, self.float_dtype)
+        if isinstance(self.rule, Int4Rule) and tuple(x.shape) != tuple(self.rule.matrix):
+            x = blockwise_reshape(x, self.rule.matrix)
+        self.x = x
+        self._lock = threading.Lock()
+        self._global: tuple[np.ndarray, ...] | None = None
+        self._cache: list[tuple[Index, tuple[np.ndarray, ...]]] = []
+
+    # --- geometry -----------------------------------------------------------
+
+    @property
+    def stats_shape(self) -> tuple[int, ...]:
+        """int8: the float shape with reduced axes 1; int4: the matrix with
+        its group axis replaced by the number of groups."""
+        if isinstance(self.rule, Int8Rule):
+            return tuple(1 if a in self.rule.reduced else d for a, d in enumerate(self.x.shape))
+        shape = list(self.rule.matrix)
+        shape[self.rule.group_axis] = self.rule.num_groups
+        return tuple(shape)
+
+    def x_index(self, values_index: Index) -> Index:
+        """The block of `x` (float tensor / matrix) a values block comes from."""
+        if isinstance(self.rule, Int8Rule):
+            return values_index
+        axis, n = self.rule.pack_axis, self.rule.matrix[self.rule.pack_axis]
+        out = list(values_index)
+        start, stop = values_index[axis]
+        out[axis] = (2 * start, min(2 * stop, n))
+        return tuple(out)
+
+    def _stats_box(self, x_index: Index) -> Index:
+        """The statistics a block of `x` needs (the channels / groups it holds)."""
+        if isinstance(self.rule, Int8Rule):
+            return tuple((0, 1) if a in self.rule.reduced else r for a, r in enumerate(x_index))
+        g, bs = self.rule.group_axis, self.rule.block_size
+        start, stop = x_index[g]
+        out = list(x_index)
+        out[g] = (start // bs, -(-stop // bs))
+        return tuple(out)
+
+    def _x_region(self, stats_box: Index) -> Index:
+        """The block of `x` holding everything statistics `stats_box` reduce."""
+        if isinstance(self.rule, Int8Rule):
+            return tuple((0, d) if a in self.rule.reduced else r for a, (r, d) in enumerate(zip(stats_box, self.x.shape)))
+        g, bs = self.rule.group_axis, self.rule.block_size
+        out = list(stats_box)
+        out[g] = (stats_box[g][0] * bs, min(stats_box[g][1] * bs, self.rule.matrix[g]))
+        return tuple(out)
+
+    def complete(self, x_index: Index) -> bool:
+        """Whether a block of `x` holds its channels' whole reduced extent."""
+        return self._x_region(self._stats_box(x_index)) == tuple(x_index)
+
+    def splits(self, values_indices: Sequence[Index]) -> bool:
+        """Whether any of these values blocks (every device's, for a global
+        answer) lacks part of its channels' reduced extent: then
+        `combine_statistics` must run first."""
+        return not all(self.complete(self.x_index(index)) for index in values_indices)
+
+    def _slabs(self, x_index: Index) -> list[Index]:
+        """`x_index` cut along a kept axis (never reduced or grouped; along
+        the packed axis in pairs) into slabs of about `SLAB_BYTES`: each
+        slab's statistics and values depend on the slab only, so a block is
+        computed with slab-sized temporaries, whatever its size."""
+        rule = self.rule
+        if isinstance(rule, Int8Rule):
+            kept = [a for a in range(len(x_index)) if a not in rule.reduced]
+        else:
+            kept = [1 - rule.group_axis]
+        if not kept:
+            return [x_index]
+        axis = max(kept, key=lambda a: x_index[a][1] - x_index[a][0])
+        start, stop = x_index[axis]
+        per_unit = math.prod(b - a for i, (a, b) in enumerate(x_index) if i != axis)
+        step = max(1, SLAB_BYTES // max(1, per_unit * self.float_dtype.itemsize))
+        if isinstance(rule, Int4Rule) and axis == rule.pack_axis:
+            step = max(2, step - step % 2)
+        out = []
+        for lo in range(start, stop, step):
+            slab = list(x_index)
+            slab[axis] = (lo, min(stop, lo + step))
+            out.append(tuple(slab))
+        return out
+
+    def _slab_axis(self, slabs: Sequence[Index]) -> int:
+        if len(slabs) < 2:
+            return 0
+        return next(a for a, (r0, r1) in enumerate(zip(slabs[0], slabs[1])) if r0 != r1)
+
+    def _scale_box(self, scale_index: Index) -> Index:
+        """The statistics of a block of the scale (or zero) variable."""
+        if isinstance(self.rule, Int4Rule):
+            return tuple(scale_index)
+        box = [(0, 1)] * len(self.x.shape)
+        for axis, (start, stop) in zip(self.rule.scale_axes, scale_index):
+            if axis is not None:
+                box[axis] = (start, stop)
+        return tuple(box)
+
+    # --- statistics ---------------------------------------------------------
+
+    def _read(self, x_index: Index) -> np.ndarray:
+        """A block of `x` to compute on: a bfloat16 one widened to float32
+        (exact). Keras's block-sized steps on a bfloat16 kernel already run
+        in float32 (NumPy promotes `bf16 * f32`, `bf16 / f32`), and float32
+        reductions give the same (bfloat16) values, ~30x faster."""
+        block = self.x.read(x_index)
+        return block.astype(np.float32) if self.float_dtype == _BFLOAT16 else block
+
+    def _reduce(self, x_index: Index, block: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Statistics of a block, in the float dtype (what Keras reduces in)."""
+        if isinstance(self.rule, Int8Rule):
+            stats = (qm.abs_max(block, self.rule.reduced),)
+        else:
+            g = self.rule.group_axis
+            stats = qm.group_stats(block, g, x_index[g][0], self.rule.block_size)
+        return tuple(s.astype(self.float_dtype, copy=False) for s in stats)
+
+    def partial_statistics(self, x_index: Index) -> tuple[Index, tuple[np.ndarray, ...]]:
+        """`(stats box, arrays)` of block `x_index` of `x`, reduced over the
+        rows it holds only (read slab by slab)."""
+        slabs = self._slabs(x_index)
+        parts = _map(lambda slab: self._reduce(slab, self._read(slab)), slabs)
+        axis = self._slab_axis(slabs)
+        stats = tuple(np.concatenate(p, axis=axis) for p in zip(*parts)) if len(parts) > 1 else parts[0]
+        return self._stats_box(x_index), stats
+
+    def _finish(self, box: Index, stats: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        if isinstance(self.rule, Int8Rule):
+            return stats
+        g = self.rule.group_axis
+        return qm.finish_group_stats(*stats, g, box[g][0], self.rule.matrix[g], self.rule.block_size)
+
+    def set_statistics(self, stats: tuple[np.ndarray, ...]) -> None:
+        """Complete statistics of the whole tensor (`combine_statistics`)."""
+        with self._lock:
+            self._global = self._finish(_full(self.stats_shape), stats)
+
+    def _statistics(self, box: Index) -> tuple[np.ndarray, ...]:
+        """Complete statistics for `box`: global, cached, else computed."""
+        with self._lock:
+            if self._global is not None:
+                return tuple(s[_slices(box, _full(self.stats_shape))] for s in self._global)
+            for cached_box, arrays in self._cache:
+                if _contains(cached_box, box):
+                    return tuple(a[_slices(box, cached_box)] for a in arrays)
+        stats = self._finish(box, self.partial_statistics(self._x_region(box))[1])
+        self._remember(box, stats)
+        return stats
+
+    def _remember(self, box: Index, stats: tuple[np.ndarray, ...]) -> None:
+        with self._lock:
+            if self._global is None:
+                self._cache.append((box, stats))
+
+    def release(self) -> None:
+        """Drops the kept statistics (once the tensor's variables are filled)."""
+        with self._lock:
+            self._global, self._cache = None, []
+
+    # --- the variables ------------------------------------------------------
+
+    def values(self, index: Index) -> np.ndarray:
+        """Block `index` of the int8 (or packed int4) values, slab by slab
+        (`SLAB_THREADS` slabs at a time: NumPy releases the GIL)."""
+        x_index = self.x_index(index)
+        box = self._stats_box(x_index)
+        local = self.complete(x_index) and self._global is None
+        stats = None if local else self._statistics(box)
+        out = host_io.aligned_empty(tuple(b - a for a, b in index), np.int8)
+        slabs = self._slabs(x_index)
+
+        def one(slab: Index) -> tuple[np.ndarray, ...]:
+            block = self._read(slab)
+            slab_box = self._stats_box(slab)
+            if local:
+                part = self._finish(slab_box, self._reduce(slab, block))
+            else:
+                part = tuple(s[_slices(slab_box, box)] for s in stats)
+            out[_slices(self._values_index(slab), index)] = self._quantize(slab, block, part)
+            return part
+
+        kept = _map(one, slabs)
+        if local:
+            axis = self._slab_axis(slabs)
+            stats = tuple(np.concatenate(p, axis=axis) for p in zip(*kept)) if len(kept) > 1 else kept[0]
+            self._remember(box, stats)
+        return out
+
+    def _values_index(self, x_index: Index) -> Index:
+        """The values block of a block of `x` (int4: packed, in pairs)."""
+        if isinstance(self.rule, Int8Rule):
+            return x_index
+        axis = self.rule.pack_axis
+        out = list(x_index)
+        out[axis] = (x_index[axis][0] // 2, -(-x_index[axis][1] // 2))
+        return tuple(out)
+
+    def _quantize(self, x_index: Index, block: np.ndarray, stats: tuple[np.ndarray, ...]) -> np.ndarray:
+        if isinstance(self.rule, Int8Rule):
+            return qm.int8_values(block, qm.int8_scale(stats[0]))
+        g = self.rule.group_axis
+        scale, zero = qm.group_params(*stats)
+        values = qm.group_values(block, g, x_index[g][0], self.rule.block_size, scale, zero)
+        return qm.pack_int4(values, self.rule.pack_axis)
+
+    def scale(self, index: Index) -> np.ndarray:
+        """Block `index` of the scale, in the float dtype (as stock stores it)."""
+        stats = self._statistics(self._scale_box(index))
+        if isinstance(self.rule, Int4Rule):
+            return qm.group_params(*stats)[0].astype(self.float_dtype)
+        return self._scale_layout(qm.int8_scale(stats[0]), index).astype(self.float_dtype)
+
+    def zero(self, index: Index) -> np.ndarray:
+        """Block `index` of the int4 zero point (int8, as Keras casts it)."""
+        return qm.group_params(*self._statistics(self._scale_box(index)))[1].astype("int8")
+
+    def _scale_layout(self, keepdims: np.ndarray, index: Index) -> np.ndarray:
+        """A keepdims int8 scale block in the scale variable's axis order."""
+        kept = [a for a in self.rule.scale_axes if a is not None]
+        squeezed = keepdims.reshape([d for a, d in enumerate(keepdims.shape) if a not in self.rule.reduced] or [1])
+        order = sorted(range(len(kept)), key=lambda i: kept[i])
+        moved = np.transpose(squeezed, np.argsort(order)) if kept else squeezed
+        return moved.reshape(tuple(b - a for a, b in index))
+
+    def read_nbytes(self, part: str, index: Index) -> int:
+        if part == "values":
+            return self.x.read_nbytes(self.x_index(index))
+        return 0  # from statistics kept by the values (normally)
+
+    def values_source(self) -> TensorSource:
+        """The values variable's source (int8)."""
+        return _Derived(self, "values", values_shape(self.tensor), np.int8)
+
+    def scale_source(self, dtype: Any) -> TensorSource:
+        """The scale variable's source, cast to `dtype` (the variable's)."""
+        return _Derived(self, "scale", scale_shape(self.tensor), dtype)
+
+    def zero_source(self, dtype: Any) -> TensorSource:
+        """The zero point variable's source, cast to `dtype` (the variable's)."""
+        return _Derived(self, "zero", scale_shape(self.tensor), dtype)
+
+
+def sharding_blocks(sharding: Any, shape: Sequence[int], local: bool = False, distinct: bool = True) -> list[Index]:
+    """The blocks a `jax.sharding.Sharding` cuts `shape` into, per device
+    (this process's devices only with `local=True`), in device order; each
+    block once with `distinct=True`."""
+    shape = tuple(int(d) for d in shape)
+    by_device = sharding.addressable_devices_indices_map(shape) if local else sharding.devices_indices_map(shape)
+    blocks = [
+        tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(slices, shape))
+        for slices in by_device.values()
+    ]
+    return list(dict.fromkeys(blocks)) if distinct else blocks
+
+
+def group_index_source(tensor: QuantizedTensor) -> TensorSource:
+    """Keras's `g_idx`: each row's group, float32 (`floor_divide(arange, block)`)."""
+    rule = tensor.rule
+    rows = rule.matrix[rule.group_axis]
+    value = np.floor_divide(np.arange(rows, dtype=np.float32), rule.block_size)
+    return transforms.Constant(value, f"g_idx of {tensor.layer_path}")
+
+
+def combine_statistics(work: Sequence[tuple[TensorQuantizer, Sequence[Index]]]) -> None:
+    """Completes the statistics of tensors whose reduced extent the layout
+    splits: each process reduces its own values blocks (`Index`es of the
+    values variable) on the host, then one collective takes the element-wise
+    maximum over processes of every partial statistic (minima negated), a
+    few floats per channel. Every process must pass the same tensors in the
+    same order (a global property of the layout); each reads only its
+    blocks."""
+    partials: list[tuple[np.ndarray, ...]] = []
+    error = None
+    try:
+        for quantizer, indices in work:
+            shape = quantizer.stats_shape
+            signs = (1,) if isinstance(quantizer.rule, Int8Rule) else (-1, 1)
+            wide = np.promote_types(quantizer.float_dtype, np.float32)  # exact
+            acc = [np.full(shape, -np.inf, dtype=wide) for _ in signs]
+            for index in indices:
+                box, stats = quantizer.partial_statistics(quantizer.x_index(index))
+                where = _slices(box, _full(shape))
+                for a, s, sign in zip(acc, stats, signs):
+                    np.maximum(a[where], sign * s.astype(wide), out=a[where])
+            partials.append(tuple(acc))
+    except Exception as e:  # noqa: BLE001 - every process must hear of it
+        if jax.process_count() == 1:
+            raise
+        error = f"{type(e).__name__}: {e}"
+    if jax.process_count() > 1:
+        # A process that failed would leave the others in the collective.
+        _processes.check_all(error, PresetError, "Reading the quantization statistics failed")
+    if not partials:
+        return
+    flat = np.concatenate([a.reshape(-1) for arrays in partials for a in arrays])
+    flat = _processes.max_over_processes(flat)
+    offset = 0
+    for (quantizer, _), arrays in zip(work, partials):
+        signs = (1,) if isinstance(quantizer.rule, Int8Rule) else (-1, 1)
+        out = []
+        for a, sign in zip(arrays, signs):
+            size = math.prod(a.shape)
+            out.append((sign * flat[offset : offset + size].reshape(a.shape)).astype(quantizer.float_dtype))
+            offset += size
+        quantizer.set_statistics(tuple(out))

@@ -1,0 +1,183 @@
+"""Keras's int8 / int4 quantization on the host, block by block, bitwise.
+
+Every check compares with Keras's own functions (`abs_max_quantize`,
+`abs_max_quantize_grouped_with_zero_point`, `pack_int4`) on whole arrays:
+random values, ties at .5 (round half to even), zero columns, rows that
+are not a multiple of the group, bfloat16 inputs (whose scales NumPy
+computes in float32, as Keras does).
+"""
+
+import itertools
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+
+from keras_hub_dist import _processes
+from keras_hub_dist.formats import quantize as fq
+from keras_hub_dist.formats import quantize_math as qm
+from keras_hub_dist.formats import transforms
+from keras_hub_dist.formats.flat_reshape import FlatReshape, blockwise_reshape, flat_boxes
+from keras_hub_dist.plan.quantization import Int4Rule, Int8Rule, QuantizedTensor
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _values(rows: int, cols: int, dtype) -> np.ndarray:
+    """Random values, a column of ties (scale 1: max 127, halves), a zero
+    column and a column whose groups span exactly 15 (int4 scale 1)."""
+    rng = np.random.default_rng(rows * 1000 + cols)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    x[:, 0] = np.resize([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5], rows)
+    x[:, 1] = 0.0
+    x[:, 2] = np.resize([7.5, -7.5, 2.5, -3.5, 0.5], rows)
+    return x.astype(dtype)
+
+
+def _splits(n: int, parts: int) -> list[tuple[int, int]]:
+    edges = np.linspace(0, n, parts + 1).astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("rows_parts", [1, 3])
+def test_int8_from_partial_maxima_equals_keras(dtype, rows_parts):
+    x = _values(50, 12, DTYPES[dtype])
+    values, scale = keras.quantizers.abs_max_quantize(x, axis=0, to_numpy=True)
+    # The maximum of a split axis, combined with np.maximum.
+    top = None
+    for a, b in _splits(50, rows_parts):
+        part = qm.abs_max(x[a:b], (0,))
+        top = part if top is None else np.maximum(top, part)
+    ours_scale = qm.int8_scale(top)
+    assert ours_scale.astype(DTYPES[dtype]).tobytes() == np.asarray(scale).tobytes()
+    for a, b in _splits(50, rows_parts):
+        assert qm.int8_values(x[a:b], ours_scale).tobytes() == np.asarray(values)[a:b].tobytes()
+    assert (np.asarray(values)[:, 0][:4] == [127, 2, -4, 0]).all()  # half to even
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("rows", [256, 300, 100])  # whole groups, a padded tail, one padded group
+def test_int4_groups_from_any_row_split_equal_keras(dtype, rows):
+    x = _values(rows, 10, DTYPES[dtype])
+    values, scale, zero = keras.quantizers.abs_max_quantize_grouped_with_zero_point(
+        x, block_size=128, to_numpy=True
+    )
+    uneven = [(a, min(b, rows)) for a, b in [(0, 5), (5, 130), (130, rows)] if a < rows]
+    for splits in (_splits(rows, 1), _splits(rows, 3), uneven):
+        low = high = None
+        for a, b in splits:
+            lo, hi = qm.group_stats(x[a:b], 0, a, 128)
+            first = a // 128
+            pad = ((first, -(-rows // 128) - first - lo.shape[0]), (0, 0))
+            lo = np.pad(lo.astype(np.float32), pad, constant_values=np.inf).astype(x.dtype)
+            hi = np.pad(hi.astype(np.float32), pad, constant_values=-np.inf).astype(x.dtype)
+            low = lo if low is None else np.minimum(low, lo)
+            high = hi if high is None else np.maximum(high, hi)
+        low, high = qm.finish_group_stats(low, high, 0, 0, rows, 128)
+        s, z = qm.group_params(low, high)
+        assert s.astype(DTYPES[dtype]).tobytes() == np.asarray(scale).tobytes()
+        assert z.astype("int8").tobytes() == np.asarray(zero).tobytes()
+        for a, b in splits:
+            first = a // 128
+            last = -(-b // 128)
+            ours = qm.group_values(x[a:b], 0, a, 128, s[first:last], z[first:last])
+            assert ours.tobytes() == np.asarray(values)[a:b].tobytes()
+
+
+def test_int4_groups_along_axis_1_equal_keras_on_the_transpose():
+    # An embedding table is quantized as its transpose (groups along its
+    # output axis): the same statistics along axis 1 give the same bits.
+    x = _values(140, 9, np.float32).T.copy()  # (9, 140)
+    values_t, scale_t, zero_t = keras.quantizers.abs_max_quantize_grouped_with_zero_point(
+        x.T, block_size=128, to_numpy=True
+    )
+    low, high = qm.group_stats(x, 1, 0, 128)
+    low, high = qm.finish_group_stats(low, high, 1, 0, 140, 128)
+    s, z = qm.group_params(low, high)
+    assert s.tobytes() == np.asarray(scale_t).T.copy().tobytes()
+    assert qm.group_values(x, 1, 0, 128, s, z).tobytes() == np.asarray(values_t).T.copy().tobytes()
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("length", [6, 7])
+def test_pack_int4_equals_keras(axis, length):
+    rng = np.random.default_rng(length)
+    shape = [5, 5]
+    shape[axis] = length
+    x = rng.integers(-8, 8, size=shape).astype(np.int8)
+    packed, _, _ = keras.quantizers.pack_int4(x, axis=axis)
+    assert qm.pack_int4(x, axis).tobytes() == np.asarray(packed).tobytes()
+
+
+def test_flat_reshape_reads_only_its_blocks():
+    rng = np.random.default_rng(0)
+    stored = rng.standard_normal((4, 6, 5)).astype(np.float32)  # e.g. (heads, head_dim, hidden)
+    source = transforms.Transpose(transforms.Constant(stored), (0, 2, 1))  # (4, 5, 6)
+    whole = np.transpose(stored, (0, 2, 1)).reshape(5, 24)  # Gemma's scrambled (hidden, heads*head_dim)
+    reshaped = blockwise_reshape(source, (5, 24))
+    assert isinstance(reshaped, FlatReshape)
+    for rows, cols in itertools.product(_splits(5, 2), _splits(24, 3)):
+        index = (rows, cols)
+        np.testing.assert_array_equal(reshaped.read(index), whole[rows[0]:rows[1], cols[0]:cols[1]])
+    boxes = flat_boxes((4, 5, 6), 7, 53)
+    covered = sum(np.prod([b - a for a, b in box]) for box in boxes)
+    assert covered == 46 and len(boxes) <= 5
+
+
+def _tensor(rule, shape, scale_shape) -> QuantizedTensor:
+    class V:
+        def __init__(self, path, shape):
+            self.path, self.shape = path, shape
+
+    return QuantizedTensor("l", "int8" if isinstance(rule, Int8Rule) else "int4", "l/kernel",
+                           shape, rule, V("l/kernel", shape), V("l/kernel_scale", scale_shape))
+
+
+@pytest.mark.parametrize("slab_bytes", [fq.SLAB_BYTES, 200])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_statistics_combined_across_processes(mode, slab_bytes, monkeypatch):
+    # Rows split between two "processes": each reduces its own blocks, the
+    # collective takes the maximum of the vectors; the result is Keras's.
+    # With 200-byte slabs every block is read and quantized in pieces.
+    monkeypatch.setattr(fq, "SLAB_BYTES", slab_bytes)
+    x = _values(260, 8, np.float32)
+    if mode == "int8":
+        rule, scale_shape = Int8Rule((0,), (1,)), (8,)
+        values, scale = keras.quantizers.abs_max_quantize(x, axis=0, to_numpy=True)
+        expected = [np.asarray(values), np.asarray(scale).reshape(8)]
+    else:
+        rule, scale_shape = Int4Rule((260, 8), 0, 1, 128), (3, 8)
+        values, scale, zero = keras.quantizers.abs_max_quantize_grouped_with_zero_point(x, block_size=128, to_numpy=True)
+        expected = [np.asarray(keras.quantizers.pack_int4(values, axis=1)[0]), np.asarray(scale)]
+    tensor = _tensor(rule, (260, 8), scale_shape)
+    shape = fq.TensorQuantizer(tensor, transforms.Constant(x), "float32").values_source().shape
+    mine = [((0, 100), (0, shape[1])), ((100, 150), (0, shape[1]))]
+    theirs = [((150, 260), (0, shape[1]))]
+    other = fq.TensorQuantizer(tensor, transforms.Constant(x), "float32")
+    gathered = {}
+    monkeypatch.setattr(_processes, "max_over_processes", lambda v: gathered.setdefault("v", v))
+    fq.combine_statistics([(other, theirs)])
+    monkeypatch.setattr(_processes, "max_over_processes", lambda v: np.maximum(v, gathered["v"]))
+    quantizer = fq.TensorQuantizer(tensor, transforms.Constant(x), "float32")
+    fq.combine_statistics([(quantizer, mine)])
+    got = np.concatenate([quantizer.values(index) for index in mine + theirs], axis=0)
+    assert got.tobytes() == expected[0].tobytes()
+    assert quantizer.scale(tuple((0, d) for d in scale_shape)).tobytes() == expected[1].tobytes()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_int8_extremes_equal_keras(dtype):
+    # Columns at the edges of the range (huge, tiny, subnormal, zero, one
+    # value, all equal): Keras's clip never changes a value, so leaving it
+    # out gives its bits.
+    columns = [
+        [3e38, -3e38, 1e38, 2.9e38], [1e-38, -1e-38, 5e-39, 0.0], [1e-40, -2e-40, 0.0, 3e-40],
+        [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 7.0], [-5.0, -5.0, -5.0, -5.0], [1.0, -1.0, 0.5, -0.5],
+    ]
+    x = np.asarray(columns, dtype=np.float32).T.astype(DTYPES[dtype])
+    values, scale = keras.quantizers.abs_max_quantize(x, axis=0, to_numpy=True)
+    ours_scale = qm.int8_scale(qm.abs_max(x, (0,)))
+    assert ours_scale.astype(DTYPES[dtype]).tobytes() == np.asarray(scale).tobytes()
+    assert qm.int8_values(x, ours_scale).tobytes() == np.asarray(values).tobytes()
