@@ -65,7 +65,11 @@ def save_sharded_preset(
     inverting KerasHub's importer. A backbone's untied LM head is written
     too (stock `Backbone.export_to_transformers` leaves it out).
 
-    Either way, a LoRA-enabled model saves its merged kernels; every process
+    Either way, a LoRA-enabled model saves its merged kernels. Keras
+    computes each merge eagerly from replicated LoRA factors: the product
+    `lora_a @ lora_b` and its scaled copy are whole on every device for a
+    moment (two kernel-sized buffers, one layer at a time); the merged kernel
+    is written in the kernel's own sharding. Every process
     of a `jax.distributed` job calls it with the same arguments, on a
     filesystem they share, and writes only the blocks its own devices hold
     (a replicated block once, by one process), with positioned writes into

@@ -37,7 +37,6 @@ transformers.AutoModelForCausalLM.from_pretrained("./gemma_hf")
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import secrets
@@ -77,6 +76,7 @@ from keras_hub_dist.save.saver import (
     _local_digests,
     _model_error,
     _saved_array,
+    _walk_writes,
     _weight_set,
 )
 from keras_hub_dist.save.write_plan import block_owners
@@ -234,20 +234,13 @@ def _write(
         except Exception as e:  # noqa: BLE001 - reported on every process
             error.append(f"writing dataset {name!r} failed: {type(e).__name__}: {e}")
 
-    try:
+    def walk() -> None:
         keras_h5.walk_saved_values(backbone, write)
         missing = sorted(set(plans) - seen)
         if missing and not error:
             error.append(f"the model no longer saves {missing[:3]} (changed since it was mapped)")
-        if durable and not error:
-            files.sync()  # what this process wrote, before the processes agree to publish
-    except Exception as e:  # noqa: BLE001 - the walk itself failed
-        error.append(f"{type(e).__name__}: {e}")
-    finally:
-        with contextlib.suppress(OSError):
-            files.close()
-        bar.close()
-    return error[0] if error else None
+
+    return _walk_writes(walk, files, bar, durable, error)
 
 
 def twin_config(backbone: Any) -> dict[str, Any]:

@@ -103,77 +103,10 @@ def save_sharded_preset(
     num_threads: int = 2,
     durable: bool = False,
 ) -> None:
-    """Saves a (sharded) KerasHub backbone or task as a preset, from every
-    process, with no gather.
-
-    The preset is what `model.save_to_preset(preset_dir)` writes: config.json,
-    metadata.json, the weights (`model.weights.h5`, or Keras's multi-file
-    `model.weights.json` + `model_NNNNN.weights.h5` over `max_shard_size`
-    GB), and for a task task.json and its preprocessor's files. Stock
-    `from_preset` and `load_sharded_preset` (on any mesh) load it. A
-    LoRA-enabled model saves its merged kernels, as `save_to_preset` does.
-    Keras computes each merge eagerly from replicated LoRA factors: the
-    product `lora_a @ lora_b` and its scaled copy are whole on every device
-    for a moment (two kernel-sized buffers, one layer at a time); the merged
-    kernel it writes is in the kernel's own sharding.
-
-    Every process of a `jax.distributed` job calls it with the same
-    arguments, on a filesystem they share. Each process writes only the
-    blocks its own devices hold; a block held by several devices (a
-    replicated weight) is written once, by one process. Nothing is
-    gathered: no device computes anything and no host holds more than one
-    block of a weight at a time (on CPU not even that: blocks are written
-    from the device buffers).
-
-    Crash safety: everything is written into a temporary directory beside
-    the target (`.<name>.partial-<token>`) that is renamed to `preset_dir`
-    only after every process has finished; a failure on any process raises
-    `SaveError` on all of them, removes the temporary directory and leaves
-    the target untouched. A process killed outright (SIGKILL, a lost
-    machine) leaves the temporary directory behind, never a half-written
-    target. Beside it an owner record (`.<name>.owner-<token>.json`: host,
-    boot, pid and start time of process 0) lets the next save to the same
-    target remove it once that save is provably dead: same host and its
-    process gone (or its pid now another process's), or the host rebooted
-    since. A directory whose save may still run (on another host, or in
-    another container of this one) is left alone; every directory removed
-    or left is named in a `StaleStagingWarning`. A preset that a killed save
-    had moved aside to replace it (`.<name>.replaced-<token>`) is restored
-    when the target is missing. Each weights file's checksum goes into
-    metadata.json, so `load_sharded_preset(..., verify=True)` detects bytes
-    changed later.
-
-    Power loss: the rename is atomic, but without `durable=True` the
-    kernel may still hold the written bytes in memory when it returns, so a
-    power loss can leave a published preset with files partly written.
-    `durable=True` flushes (`fsync`) every file and directory written (each
-    process the blocks it wrote, before the processes agree to publish;
-    process 0 everything else) and the parent directory before the rename,
-    and the parent again after it.
-
-    Args:
-        model: A built `keras_hub.models.Backbone` or `Task`.
-        preset_dir: The preset directory to create (its parent is created if
-            needed).
-        overwrite: Replace an existing non-empty `preset_dir` (only once the
-            new preset is complete).
-        progress: Show a progress bar on stderr; default: when stderr is a
-            terminal.
-        max_shard_size: As `save_to_preset`: GB per weights file for a
-            backbone larger than that; `None` for one file.
-        num_threads: Threads that hash the written files.
-        durable: Flush everything to the disk before and after publishing
-            (see above). Off by default: it waits until the disk holds the
-            whole preset (0.5 s of a 10 s save of 3.8 GB on a VM disk; on a
-            physical disk up to the preset's size over its write speed; see
-            BENCHMARKS.md).
-
-    Raises:
-        SaveError: The model is not a built KerasHub backbone or task, or
-            has variables without values; `preset_dir` exists and is not
-            empty (without `overwrite=True`), is not a directory, or cannot
-            be written; the processes passed different `preset_dir`s; or
-            writing failed on some process.
+    """`save_sharded_preset(model, preset_dir, format="keras")`: the preset
+    `model.save_to_preset(preset_dir)` writes, from every process, with no
+    gather. The arguments, crash safety, `durable` and errors are
+    `keras_hub_dist.save_sharded_preset`'s (`save.api`).
     """
     target = _agreed_target(preset_dir)
     backbone, task = _backbone_and_task(model)
@@ -434,7 +367,8 @@ def _write(
     on_cpu = all(d.platform == "cpu" for d in jax.local_devices())
     bar = byte_progress(sum(p.nbytes for p in plans), f"Saving {base}", progress)
     error: list[str] = []
-    try:
+
+    def walk() -> None:
         for weight_set, plan in zip(sets, plans):
             by_name = {v.name: v for v in plan.values}
 
@@ -453,6 +387,16 @@ def _write(
                 bar.update(entry.nbytes)
 
             keras_h5.walk_saved_values(weight_set.model, write, skip=weight_set.skip)
+
+    return _walk_writes(walk, files, bar, durable, error)
+
+
+def _walk_writes(walk: Any, files: host_io.FileDescriptors, bar: Any, durable: bool, error: list[str]) -> str | None:
+    """Runs `walk` (which writes through `files` and records its errors in
+    `error`), flushes what it wrote with `durable`, closes `files` and the
+    bar; returns the first error as a message."""
+    try:
+        walk()
         if durable and not error:
             files.sync()  # what this process wrote, before the processes agree to publish
     except Exception as e:  # noqa: BLE001 - the walk itself failed

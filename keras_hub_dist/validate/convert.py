@@ -53,12 +53,11 @@ from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.errors import SaveError
 from keras_hub_dist.formats import checksums, host_io, keras_h5
-from keras_hub_dist.formats.base import Index, StoredTensor, TensorSource
+from keras_hub_dist.formats.base import Index, StoredTensor, StoredTensorSource, TensorSource
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.pieces import NotAffine, Piece, block_writes, identity, pieces_of
 from keras_hub_dist.formats.locations import Location, is_remote, open_location
 from keras_hub_dist.formats.ranged_http import RangeClient
-from keras_hub_dist.formats.safetensors_files import checkpoint_files
 from keras_hub_dist.formats.safetensors_writer import plan_files
 from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
 from keras_hub_dist.load.tasks import task_class
@@ -250,8 +249,10 @@ def convert_checkpoint(
     dtype=...), target, format=to)` byte for byte in its weights.
 
     Args:
-        source: A KerasHub preset or Hugging Face checkpoint (a directory,
-            or a handle KerasHub downloads: `"hf://..."`, `"kaggle://..."`).
+        source: A KerasHub preset or Hugging Face checkpoint: a directory,
+            a KerasHub handle (`"kaggle://..."`), or a remote location read
+            by byte ranges (`"s3://..."`, `"gs://..."`, `"hf://..."`,
+            `"https://..."`), as `load_sharded_preset` takes.
         target: The directory to create.
         to: `"keras"` or `"huggingface"`.
         dtype: Dtype of the floating-point weights (cast tile by tile);
@@ -314,8 +315,8 @@ def _convert(
         datasets = keras_h5.expected_datasets(backbone)
         convert = _to_huggingface if to == "huggingface" else _to_keras
         return convert(
-            backbone, task_model, sources, datasets, location, destination,
-            wanted_dtype, progress, max_shard_size, num_threads,
+            backbone, task_model, sources, datasets, destination, wanted_dtype, progress,
+            max_shard_size, num_threads,
         )
     finally:
         _compat.forget_deferred_variables(created)
@@ -323,8 +324,8 @@ def _convert(
 
 def _to_huggingface(
     backbone: Any, task: Any, sources: dict[int, TensorSource], datasets: dict[str, Any],
-    location: Location, destination: str, dtype: np.dtype | None, progress: bool | None,
-    max_shard_size: Any, num_threads: int,
+    destination: str, dtype: np.dtype | None, progress: bool | None, max_shard_size: Any,
+    num_threads: int,
 ) -> ConvertStats:
     tokenizer = getattr(getattr(task, "preprocessor", None), "tokenizer", None)
     mapping = hf_mapping(backbone, tokenizer=tokenizer, dtype=dtype)
@@ -376,16 +377,20 @@ def _write_all(
     return hasher.table()
 
 
-def _leaf_tensors(location: Location) -> dict[tuple[str, int], StoredTensor]:
-    """Every stored tensor of a Hugging Face checkpoint, by `(file, offset)`."""
-    files = checkpoint_files(location)
-    return {(t.file, t.offset): t for h in files.headers.values() for t in h.tensors.values()}
+def _stored_leaves(source: TensorSource) -> Iterator[StoredTensor]:
+    """The stored tensors a transform tree reads (`formats.transforms`: a
+    node has a `child` or `children`), as indexed: no header is read again."""
+    if isinstance(source, StoredTensorSource):
+        yield source.stored
+    children = getattr(source, "children", None) or ([source.child] if hasattr(source, "child") else [])
+    for child in children:
+        yield from _stored_leaves(child)
 
 
 def _to_keras(
     backbone: Any, task: Any, sources: dict[int, TensorSource], datasets: dict[str, Any],
-    location: Location, destination: str, dtype: np.dtype | None, progress: bool | None,
-    max_shard_size: Any, num_threads: int,
+    destination: str, dtype: np.dtype | None, progress: bool | None, max_shard_size: Any,
+    num_threads: int,
 ) -> ConvertStats:
     names = _compat.preset_file_names()
     limit = 10 if max_shard_size is None else max_shard_size
@@ -402,7 +407,7 @@ def _to_keras(
         saver._prepare(destination, token, False, backbone, task, [weight_set], names)
         weights = os.path.join(folder, weight_set.file_name)
         on_disk = keras_h5.read_datasets(keras_h5.weights_files(weights))
-        leaves = _leaf_tensors(location)
+        leaves = {(t.file, t.offset): t for s in sources.values() for t in _stored_leaves(s)}
         by_leaf: dict[tuple[str, int], list[tuple[str, Piece, int, np.dtype]]] = {}
         jobs: list[_Job] = []
         for name, variable in datasets.items():
