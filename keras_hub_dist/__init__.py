@@ -64,7 +64,8 @@ from keras_hub_dist.plan.layouts import get_layout_map  # noqa: E402
 from keras_hub_dist.plan.quantized_layouts import QuantizationAwareModelParallel  # noqa: E402
 from keras_hub_dist.load.loader import LoadReport  # noqa: E402
 from keras_hub_dist.load.loader import load_sharded_preset  # noqa: E402
-from keras_hub_dist.save.saver import save_sharded_preset  # noqa: E402
+from keras_hub_dist.save.api import save_sharded_preset  # noqa: E402
+from keras_hub_dist.validate.convert import convert_checkpoint  # noqa: E402
 from keras_hub_dist.measure.memory import MemorySampler  # noqa: E402
 from keras_hub_dist.plan.auto_layout import LayoutPlan  # noqa: E402
 from keras_hub_dist.plan.auto_layout import plan_layout  # noqa: E402
@@ -100,6 +101,7 @@ __all__ = [
     "StaleStagingWarning",
     "UnknownPresetError",
     "abstract_backbone",
+    "convert_checkpoint",
     "gemma3_backbone",
     "gemma4_backbone",
     "gemma_backbone",

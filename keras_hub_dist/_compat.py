@@ -483,6 +483,33 @@ def builtin_preset_names() -> list[str]:
     return list(getattr(_preset_utils(), "BUILTIN_PRESETS", {}))
 
 
+def stock_hf_exporter() -> Any:
+    """KerasHub's Transformers exporter (`hf_exporter`): its tables
+    `MODEL_CONFIGS`, `MODEL_EXPORTERS`, `MODEL_TOKENIZER_CONFIGS` and its
+    `export_tokenizer`, `export_generation_config`, ... functions."""
+    from keras_hub.src.utils.transformers.export import hf_exporter
+
+    return hf_exporter
+
+
+@contextlib.contextmanager
+def replaced_module_global(function: Any, name: str, value: Any) -> Iterator[None]:
+    """Global `name` of `function`'s module is `value` while the context
+    lasts (KerasHub's exporter modules call `ops.<op>` through their
+    module global `ops`)."""
+    namespace = function.__globals__
+    missing = object()
+    original = namespace.get(name, missing)
+    namespace[name] = value
+    try:
+        yield
+    finally:
+        if original is missing:
+            del namespace[name]
+        else:
+            namespace[name] = original
+
+
 # --- Quantization (`quantize="int8" | "int4"`) -------------------------------
 # `Layer.quantize` computes values and builds the quantized variables at once;
 # the structure alone (no float value allocated) replays its private steps.

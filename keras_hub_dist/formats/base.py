@@ -58,6 +58,7 @@ __all__ = [
     "TensorSource",
     "byte_runs",
     "compatible_dtypes",
+    "is_float",
     "listing",
     "numpy_dtype",
 ]
@@ -81,7 +82,8 @@ def numpy_dtype(dtype: Any) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name, None) or name)
 
 
-def _is_float(dtype: np.dtype) -> bool:
+def is_float(dtype: np.dtype) -> bool:
+    """Whether `dtype` is a floating-point dtype (bfloat16 and float8 too)."""
     return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
@@ -95,7 +97,7 @@ def compatible_dtypes(on_disk: np.dtype, expected: np.dtype) -> bool:
     on_disk, expected = np.dtype(on_disk), np.dtype(expected)
     if on_disk.newbyteorder("=") == expected.newbyteorder("="):
         return True
-    return _is_float(on_disk) and _is_float(expected)
+    return is_float(on_disk) and is_float(expected)
 
 
 @dataclass(frozen=True)

@@ -33,14 +33,17 @@ import numpy as np
 from keras_hub_dist import _processes
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats import host_io
+from keras_hub_dist.formats.base import ByteRuns
 
 __all__ = [
     "ALGORITHM",
     "CHUNK_BYTES",
     "FileChecksum",
+    "HashingAsWritten",
     "METADATA_KEY",
     "all_chunks",
     "chunk_digests",
+    "entries",
     "file_checksum",
     "mismatches",
     "recorded_checksums",
@@ -175,12 +178,120 @@ def chunk_digests(
         return dict(zip(wanted, pool.map(one, wanted)))
 
 
+class HashingAsWritten:
+    """Hashes each chunk of files being filled as soon as its last byte is
+    written, on a thread pool: the hashing overlaps the writing and reads
+    the chunks back while the page cache still holds them.
+
+    Args:
+        files: The files, at their final sizes.
+        pending: Per file, the byte ranges `(start, stop)` still to be
+            written (each byte exactly once); the rest is written already.
+        num_threads: Hashing threads.
+
+    Example:
+
+    ```python
+    hasher = HashingAsWritten(paths, {p: [(header, size)] for p in paths})
+    hasher.written(path, runs)             # from every writer thread
+    table = hasher.table()                 # as `chunk_digests`, in order
+    ```
+    """
+
+    def __init__(self, files: Sequence[str], pending: Mapping[str, Sequence[tuple[int, int]]], num_threads: int = 1) -> None:
+        import threading
+
+        self.files = list(files)
+        self.keys = all_chunks([os.path.getsize(f) for f in self.files])
+        self._number = {f: i for i, f in enumerate(self.files)}
+        self._left: dict[tuple[int, int], int] = {key: 0 for key in self.keys}
+        for path, ranges in pending.items():
+            for start, stop in ranges:
+                self._count(self._number[path], start, stop, +1)
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max(1, num_threads), "keras_hub_dist-hash")
+        self._futures = {key: self._submit(key) for key, left in self._left.items() if left == 0}
+
+    def _count(self, number: int, start: int, stop: int, sign: int) -> list[tuple[int, int]]:
+        """Adds `sign` x the bytes of `start:stop` to each chunk's count;
+        returns the chunks that reach 0."""
+        done = []
+        while start < stop:
+            chunk = start // CHUNK_BYTES
+            end = min(stop, (chunk + 1) * CHUNK_BYTES)
+            self._left[(number, chunk)] += sign * (end - start)
+            if self._left[(number, chunk)] == 0:
+                done.append((number, chunk))
+            start = end
+        return done
+
+    def _submit(self, key: tuple[int, int]) -> Any:
+        path = self.files[key[0]]
+        size = os.path.getsize(path)
+        start = key[1] * CHUNK_BYTES
+        return self._pool.submit(_hash_chunk, path, start, min(start + CHUNK_BYTES, size))
+
+    def written(self, path: str, runs: ByteRuns) -> None:
+        """The bytes of `runs` in `path` have been written."""
+        if not runs.num_runs:
+            return
+        if runs.counts:
+            grid = np.indices(runs.counts).reshape(len(runs.counts), -1)
+            starts = runs.offset + (np.asarray(runs.strides)[:, None] * grid).sum(axis=0)
+        else:
+            starts = np.asarray([runs.offset])
+        first = starts // CHUNK_BYTES
+        last = (starts + runs.run_bytes - 1) // CHUNK_BYTES
+        inside = first == last
+        chunks, bytes_in = np.unique(first[inside], return_counts=True)
+        number = self._number[path]
+        with self._lock:
+            done = []
+            for chunk, count in zip(chunks.tolist(), bytes_in.tolist()):
+                self._left[(number, chunk)] -= count * runs.run_bytes
+                if self._left[(number, chunk)] == 0:
+                    done.append((number, chunk))
+            for start in starts[~inside].tolist():  # a run across a chunk boundary
+                done += self._count(number, start, start + runs.run_bytes, -1)
+            for key in done:
+                self._futures[key] = self._submit(key)
+
+    def table(self) -> np.ndarray:
+        """The SHA-256 of every chunk, one row each in `all_chunks` order
+        (a chunk not reported complete is hashed now)."""
+        with self._lock:
+            for key in self.keys:
+                if key not in self._futures:
+                    self._futures[key] = self._submit(key)
+        table = np.zeros((len(self.keys), 32), np.uint8)
+        try:
+            for row, key in enumerate(self.keys):
+                table[row] = np.frombuffer(self._futures[key].result(), np.uint8)
+        finally:
+            self._pool.shutdown()
+        return table
+
+
 def all_chunks(sizes: Sequence[int], chunk_bytes: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """Every `(file number, chunk number)` of files of these sizes, in order."""
     steps = list(chunk_bytes) if chunk_bytes is not None else [CHUNK_BYTES] * len(sizes)
     return [
         (f, c) for f, (size, step) in enumerate(zip(sizes, steps)) for c in range(num_chunks(size, step))
     ]
+
+
+def entries(files: Sequence[str], digests: np.ndarray) -> dict[str, dict[str, Any]]:
+    """File name -> its recorded checksum (`FileChecksum.to_json()`), from
+    `digests`: one SHA-256 row per chunk of `files`, in `all_chunks` order."""
+    sizes = [os.path.getsize(f) for f in files]
+    keys = all_chunks(sizes)
+    out = {}
+    for number, (path, size) in enumerate(zip(files, sizes)):
+        rows = [row for row, key in enumerate(keys) if key[0] == number]
+        out[os.path.basename(path)] = FileChecksum(
+            size, CHUNK_BYTES, tuple(digests[r].tobytes().hex() for r in rows)
+        ).to_json()
+    return out
 
 
 def share(keys: Sequence[Any], process_index: int, process_count: int) -> list[Any]:

@@ -15,7 +15,9 @@ KerasHub's: it is KerasHub's, replayed block-wise.
 Values the tracer cannot split into blocks:
 - gpt-oss MXFP4 experts (the converter's dequantization uses masked
   assignment): recognized by their `*_blocks` / `*_scales` tensors and read
-  by `formats.mxfp4`, block-wise;
+  by `formats.mxfp4`, block-wise; a checkpoint holding them unquantized
+  (Transformers' `experts.gate_up_proj` layout, which KerasHub's converter
+  cannot read) loads them as they are, KerasHub's variable layout;
 - a `port_weight` hook doing something else: the hook runs on the whole
   tensor on the host, once per block read, and `LoadReport.fallbacks` names
   the variable;
@@ -48,11 +50,13 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError, UnconvertedWeightsWarning
+from keras_hub_dist.plan.presets import parse_json
 from keras_hub_dist.formats import hf_config_compat, keras_h5
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
     IndexedVariable,
     StoredTensor,
+    StoredTensorSource,
     TensorSource,
     compatible_dtypes,
     listing,
@@ -61,6 +65,7 @@ from keras_hub_dist.formats.base import (
 from keras_hub_dist.formats.lazy_numpy import LazyArray, Opaque, leaves_of
 from keras_hub_dist.formats.mxfp4 import Mxfp4Source
 from keras_hub_dist.formats.safetensors_files import (
+    INDEX_FILE,
     SINGLE_FILE,
     SafetensorsCheckpoint,
     checkpoint_files,
@@ -71,8 +76,10 @@ __all__ = [
     "FORMAT",
     "TESTED_MODEL_TYPES",
     "backbone_config",
+    "checksum_metadata",
     "index_checkpoint",
     "recognizes",
+    "trace_sources",
 ]
 
 FORMAT = "huggingface"
@@ -90,6 +97,18 @@ TESTED_MODEL_TYPES = (
 def recognizes(config: Mapping[str, Any]) -> bool:
     """Whether config.json is a Transformers one (`model_type`, no Keras class)."""
     return "model_type" in config and "registered_name" not in config
+
+
+def checksum_metadata(location: Any) -> dict[str, Any]:
+    """The `metadata` of the checkpoint's `model.safetensors.index.json`
+    (where `save_sharded_preset(..., format="huggingface")` records the
+    files' checksums), or `{}` without an index. `location`: a
+    `formats.locations.Location`."""
+    if not location.has(INDEX_FILE):
+        return {}
+    index = parse_json(location.read_bytes(INDEX_FILE), location.path_of(INDEX_FILE))
+    metadata = index.get("metadata") if isinstance(index, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
 
 
 def _check_quantization(config: Mapping[str, Any], label: str) -> None:
@@ -171,31 +190,6 @@ def _missing_key_message(config: Mapping[str, Any], label: str, key: Any) -> str
     )
 
 
-def _check_expert_layout(model_type: str, tensors: Mapping[str, StoredTensor], label: str) -> None:
-    """Refuses gpt-oss experts stored unquantized, which KerasHub cannot read.
-
-    `transformers` saves a dequantized gpt-oss (the usual form after
-    fine-tuning, and the only one it writes on CPU) with float
-    `mlp.experts.gate_up_proj` / `down_proj`; KerasHub 0.32's converter reads
-    only the published MXFP4 form (`*_blocks`, `*_scales`), and stock
-    `from_preset` fails on the missing `*_blocks` tensor.
-    """
-    if model_type != "gpt_oss":
-        return
-    plain = sorted(n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj")))
-    if plain:
-        raise PresetError(
-            f"The gpt-oss checkpoint {label!r} stores its experts unquantized "
-            f"({plain[0]!r}, shape {list(tensors[plain[0]].shape)}, and "
-            f"{len(plain) - 1} more), as transformers saves a dequantized gpt-oss. "
-            "Expected the MXFP4 experts of the published checkpoints "
-            "(`experts.gate_up_proj_blocks` / `_scales`): KerasHub 0.32's gpt-oss "
-            "converter reads only those, and stock `Backbone.from_preset` fails on "
-            "this checkpoint too. Fix: load the MXFP4 checkpoint (e.g. "
-            "openai/gpt-oss-20b)."
-        )
-
-
 class _MissingTensor(KeyError):
     """A tensor the converter asked for is not in the checkpoint."""
 
@@ -212,6 +206,8 @@ class _Trace:
         self.values: dict[int, Any] = {}
         self.problems: list[str] = []
         self.read: set[str] = set()
+        # gpt-oss MXFP4 names the checkpoint holds unquantized: name -> tensor.
+        self.unquantized: dict[str, str] = {}
 
 
 def _tracing_loader(
@@ -249,7 +245,10 @@ def _tracing_loader(
                 fname = self.fname if self.fname is not None else SINGLE_FILE
             else:
                 weight_map = self.safetensor_config["weight_map"]
-                fname = weight_map.get(self.stored_key(hf_weight_key, weight_map))
+                key = self.stored_key(hf_weight_key, weight_map)
+                fname = weight_map.get(key)
+                if fname is None and key.endswith(("_blocks", "_scales")):  # unquantized gpt-oss
+                    fname = weight_map.get(key.rsplit("_", 1)[0])
                 if fname is None:
                     in_files = [f for f, h in files.headers.items() if hf_weight_key in h.tensors]
                     raise _MissingTensor(
@@ -259,6 +258,12 @@ def _tracing_loader(
                     )
             header = files.headers.get(fname)
             name = self.stored_key(hf_weight_key, header.tensors) if header else hf_weight_key
+            if header is not None and name not in header.tensors:
+                standin = _unquantized_standin(name, header.tensors)
+                if standin is not None:
+                    trace.read.add(standin[0])
+                    trace.unquantized[name] = standin[0]
+                    return LazyArray(standin[1], frozenset({name}))
             if header is None or name not in header.tensors:
                 raise _MissingTensor(
                     f"tensor {hf_weight_key!r} is missing from {fname!r}"
@@ -336,8 +341,34 @@ def _recording_assignments(trace: _Trace) -> Iterator[None]:
                 cls.assign = original
 
 
+_MXFP4_GROUP = 32
+
+
+def _unquantized_standin(name: str, tensors: Mapping[str, StoredTensor]) -> tuple[str, TensorSource] | None:
+    """gpt-oss experts stored unquantized (`experts.gate_up_proj` (experts,
+    in, out), as Transformers and `save_sharded_preset` write them) where
+    KerasHub's converter asks for MXFP4 `*_blocks` / `*_scales`: the
+    tensor's name, and a stand-in of the MXFP4 shape the converter computes
+    with (never read: `_source_of` maps it back to the tensor)."""
+    if not name.endswith(("_blocks", "_scales")):
+        return None
+    base = name.rsplit("_", 1)[0]
+    stored = tensors.get(base)
+    if stored is None or len(stored.shape) != 3:
+        return None
+    experts, inputs, outputs = stored.shape
+    groups = -(-inputs // _MXFP4_GROUP)
+    shape = (experts, outputs, groups, _MXFP4_GROUP // 2) if name.endswith("_blocks") else (experts, outputs, groups)
+    standin = StoredTensor(stored.file, stored.offset, shape, np.dtype(np.uint8))
+    return base, StoredTensorSource(standin, f"tensor {base!r} of {stored.file!r}")
+
+
 def _source_of(
-    value: Any, variable: Any, model_type: str, tensors: Mapping[str, StoredTensor]
+    value: Any,
+    variable: Any,
+    model_type: str,
+    tensors: Mapping[str, StoredTensor],
+    unquantized: Mapping[str, str] | None = None,
 ) -> TensorSource | str:
     """The variable's `TensorSource`, or a problem."""
     if isinstance(value, LazyArray):
@@ -348,6 +379,10 @@ def _source_of(
         blocks = [k for k in value.leaves if k.endswith("_blocks")]
         scales = [k for k in value.leaves if k.endswith("_scales")]
         if model_type == "gpt_oss" and len(blocks) == len(scales) == 1 and len(value.leaves) == 2:
+            if unquantized and blocks[0] in unquantized:
+                # Transformers' unquantized layout is KerasHub's variable.
+                base = unquantized[blocks[0]]
+                return StoredTensorSource(tensors[base], f"tensor {base!r} of {tensors[base].file!r}")
             try:
                 return Mxfp4Source(tensors[blocks[0]], tensors[scales[0]])
             except ValueError as e:
@@ -363,22 +398,13 @@ def _source_of(
         return f"{variable.path}: the converter assigned a {type(value).__name__}"
 
 
-def index_checkpoint(
-    model: keras.Model, location: Any, label: str, config: Mapping[str, Any]
-) -> CheckpointIndex:
-    """Traces KerasHub's converter on `model` and validates every value.
-
-    Raises:
-        PresetError: A corrupt or incomplete checkpoint, a tensor missing
-            or of the wrong shape for config.json (the message names the
-            tensor, the variable, expected and received), a value that cannot
-            be loaded block-wise.
-    """
-    files = checkpoint_files(location, label)
-    config = hf_config_compat.compatible_config(config, label)
+def _trace(
+    model: keras.Model, files: SafetensorsCheckpoint, config: Mapping[str, Any], label: str
+) -> tuple[_Trace, dict[int, Any]]:
+    """Runs KerasHub's converter on `model` with lazy tensors from `files`
+    (`config` in the spelling the converter reads); returns the trace and
+    the saved variables by id."""
     model_type = str(config.get("model_type"))
-    tensors = {n: t for h in files.headers.values() for n, t in h.tensors.items()}
-    _check_expert_layout(model_type, tensors, label)
     converter = _converter(config, label)
     saved = {id(v): v for v in keras_h5.expected_datasets(model).values()}
     trace = _Trace(list(saved.values()))
@@ -397,6 +423,57 @@ def index_checkpoint(
             trace.problems.append(
                 f"KerasHub's converter stopped: {type(e).__name__}: {e}"
             )
+    return trace, saved
+
+
+def trace_sources(
+    model: keras.Model, files: SafetensorsCheckpoint, config: Mapping[str, Any]
+) -> tuple[dict[int, TensorSource], list[str]]:
+    """What KerasHub's converter makes of `files` (headers only: the files
+    need not exist): each variable's `TensorSource` by `id(variable)`, and
+    the problems (a tensor missing, a value that is not block-wise).
+
+    The exporter (`keras_hub_dist.save`) traces the files it is about to
+    write, to invert the converter.
+    """
+    # `config` is the exporter's, in the spelling the converter reads (and
+    # may hold objects a deep copy cannot take): used as it is.
+    label = "the planned checkpoint"
+    trace, saved = _trace(model, files, config, label)
+    tensors = {n: t for h in files.headers.values() for n, t in h.tensors.items()}
+    problems = list(trace.problems)
+    sources: dict[int, TensorSource] = {}
+    model_type = str(config.get("model_type"))
+    for key, value in trace.values.items():
+        source = _source_of(value, saved[key], model_type, tensors, trace.unquantized)
+        if isinstance(source, str):
+            problems.append(source)
+        elif tuple(source.shape) != tuple(saved[key].shape):
+            problems.append(
+                f"{saved[key].path}: KerasHub's conversion of {sorted(leaves_of(value)) or source.description} "
+                f"has shape {tuple(source.shape)}, expected {tuple(saved[key].shape)}"
+            )
+        else:
+            sources[key] = source
+    return sources, problems
+
+
+def index_checkpoint(
+    model: keras.Model, location: Any, label: str, config: Mapping[str, Any]
+) -> CheckpointIndex:
+    """Traces KerasHub's converter on `model` and validates every value.
+
+    Raises:
+        PresetError: A corrupt or incomplete checkpoint, a tensor missing
+            or of the wrong shape for config.json (the message names the
+            tensor, the variable, expected and received), a value that cannot
+            be loaded block-wise.
+    """
+    files = checkpoint_files(location, label)
+    config = hf_config_compat.compatible_config(config, label)
+    model_type = str(config.get("model_type"))
+    tensors = {n: t for h in files.headers.values() for n, t in h.tensors.items()}
+    trace, saved = _trace(model, files, config, label)
 
     entries, unassigned, problems = [], [], list(trace.problems)
     seen: set[int] = set()
@@ -410,7 +487,7 @@ def index_checkpoint(
             if variable.trainable:
                 unassigned.append(variable.path)
             continue
-        source = _source_of(trace.values[id(variable)], variable, model_type, tensors)
+        source = _source_of(trace.values[id(variable)], variable, model_type, tensors, trace.unquantized)
         if isinstance(source, str):
             problems.append(source)
             continue

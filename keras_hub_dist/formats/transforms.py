@@ -45,6 +45,7 @@ __all__ = [
     "Constant",
     "Elementwise",
     "FullTensorFallback",
+    "Reshape",
     "Slice",
     "Stack",
     "Transpose",
@@ -279,6 +280,25 @@ class FullTensorFallback(TensorSource):
         return sum(s.read_nbytes(_full(s.shape)) for s in self.inputs)
 
 
+class Reshape(FullTensorFallback):
+    """`np.reshape(child, shape)` after an operation it does not commute
+    with: loaded as a `FullTensorFallback` (the whole input on the host);
+    `child` is kept for readers that need no values (`formats.pieces`: a
+    reshape moves no element in C order)."""
+
+    def __init__(self, child: TensorSource, shape: Sequence[int]) -> None:
+        shape = tuple(int(d) for d in shape)
+        super().__init__(
+            [child],
+            lambda whole: whole.reshape(shape),
+            shape,
+            child.dtype,
+            f"reshape of {child.description} from {tuple(child.shape)} to {shape} "
+            "after an operation it does not commute with",
+        )
+        self.child = child
+
+
 def fallbacks(source: TensorSource) -> list[str]:
     """The reasons of every full-tensor fallback inside `source`."""
     found = [source.fallback] if isinstance(source, FullTensorFallback) else []
@@ -387,11 +407,4 @@ def reshape(source: TensorSource, shape: Sequence[int]) -> TensorSource:
         pushed = _reshape_under_transpose(source, shape)
         if pushed is not None:
             return pushed
-    return FullTensorFallback(
-        [source],
-        lambda whole: whole.reshape(shape),
-        shape,
-        source.dtype,
-        f"reshape of {source.description} from {tuple(source.shape)} to {shape} "
-        "after an operation it does not commute with",
-    )
+    return Reshape(source, shape)

@@ -157,7 +157,8 @@ def load_sharded_preset(
         num_threads: Reader threads (blocks of a variable are read
             concurrently); 1 reads in the calling thread only.
         verify: Check every weights file against the checksums that
-            `save_sharded_preset` recorded in metadata.json before any
+            `save_sharded_preset` recorded (in metadata.json, or in a
+            Hugging Face checkpoint's `model.safetensors.index.json`) before any
             device memory is used (a full read of the files, split over the
             processes). A preset without checksums is an error then.
         concurrency: Range requests in flight at once for a remote preset
@@ -307,8 +308,10 @@ def _load_from(
     try:
         index = checkpoint.index_checkpoint(backbone, location, source.label, config)
         if options.verify:
+            # A Hugging Face checkpoint records them in its index's metadata.
+            recorded = getattr(checkpoint, "checksum_metadata", lambda location: metadata)(location)
             checksums.verify_files(
-                index.opened or index.files, metadata, source.label, num_threads=read_ahead
+                index.opened or index.files, recorded, source.label, num_threads=read_ahead
             )
         if layout_map is None:
             resolved_map = default_layout_map(backbone, device_mesh, model_axis, data_axis)

@@ -25,7 +25,7 @@ import sys
 
 import psutil
 
-__all__ = ["current_rss_bytes", "host_peak_rss_bytes", "reset_host_peak_rss"]
+__all__ = ["anon_rss_bytes", "current_rss_bytes", "host_peak_rss_bytes", "reset_host_peak_rss"]
 
 _PROC_STATUS = "/proc/self/status"
 _PROC_CLEAR_REFS = "/proc/self/clear_refs"
@@ -66,6 +66,13 @@ def _read_status_kib(field: str) -> int | None:
     except OSError:
         return None
     return None
+
+
+def anon_rss_bytes() -> int:
+    """The process's resident anonymous memory (`RssAnon`) in bytes: what
+    it allocated, without the file pages it maps; 0 outside Linux."""
+    kib = _read_status_kib("RssAnon")
+    return 0 if kib is None else kib * 1024
 
 
 def host_peak_rss_bytes() -> int:

@@ -103,96 +103,16 @@ def save_sharded_preset(
     num_threads: int = 2,
     durable: bool = False,
 ) -> None:
-    """Saves a (sharded) KerasHub backbone or task as a preset, from every
-    process, with no gather.
-
-    The preset is what `model.save_to_preset(preset_dir)` writes: config.json,
-    metadata.json, the weights (`model.weights.h5`, or Keras's multi-file
-    `model.weights.json` + `model_NNNNN.weights.h5` over `max_shard_size`
-    GB), and for a task task.json and its preprocessor's files. Stock
-    `from_preset` and `load_sharded_preset` (on any mesh) load it. A
-    LoRA-enabled model saves its merged kernels, as `save_to_preset` does.
-    Keras computes each merge eagerly from replicated LoRA factors: the
-    product `lora_a @ lora_b` and its scaled copy are whole on every device
-    for a moment (two kernel-sized buffers, one layer at a time); the merged
-    kernel it writes is in the kernel's own sharding.
-
-    Every process of a `jax.distributed` job calls it with the same
-    arguments, on a filesystem they share. Each process writes only the
-    blocks its own devices hold; a block held by several devices (a
-    replicated weight) is written once, by one process. Nothing is
-    gathered: no device computes anything and no host holds more than one
-    block of a weight at a time (on CPU not even that: blocks are written
-    from the device buffers).
-
-    Crash safety: everything is written into a temporary directory beside
-    the target (`.<name>.partial-<token>`) that is renamed to `preset_dir`
-    only after every process has finished; a failure on any process raises
-    `SaveError` on all of them, removes the temporary directory and leaves
-    the target untouched. A process killed outright (SIGKILL, a lost
-    machine) leaves the temporary directory behind, never a half-written
-    target. Beside it an owner record (`.<name>.owner-<token>.json`: host,
-    boot, pid and start time of process 0) lets the next save to the same
-    target remove it once that save is provably dead: same host and its
-    process gone (or its pid now another process's), or the host rebooted
-    since. A directory whose save may still run (on another host, or in
-    another container of this one) is left alone; every directory removed
-    or left is named in a `StaleStagingWarning`. A preset that a killed save
-    had moved aside to replace it (`.<name>.replaced-<token>`) is restored
-    when the target is missing. Each weights file's checksum goes into
-    metadata.json, so `load_sharded_preset(..., verify=True)` detects bytes
-    changed later.
-
-    Power loss: the rename is atomic, but without `durable=True` the
-    kernel may still hold the written bytes in memory when it returns, so a
-    power loss can leave a published preset with files partly written.
-    `durable=True` flushes (`fsync`) every file and directory written (each
-    process the blocks it wrote, before the processes agree to publish;
-    process 0 everything else) and the parent directory before the rename,
-    and the parent again after it.
-
-    Args:
-        model: A built `keras_hub.models.Backbone` or `Task`.
-        preset_dir: The preset directory to create (its parent is created if
-            needed).
-        overwrite: Replace an existing non-empty `preset_dir` (only once the
-            new preset is complete).
-        progress: Show a progress bar on stderr; default: when stderr is a
-            terminal.
-        max_shard_size: As `save_to_preset`: GB per weights file for a
-            backbone larger than that; `None` for one file.
-        num_threads: Threads that hash the written files.
-        durable: Flush everything to the disk before and after publishing
-            (see above). Off by default: it waits until the disk holds the
-            whole preset (0.5 s of a 10 s save of 3.8 GB on a VM disk; on a
-            physical disk up to the preset's size over its write speed; see
-            BENCHMARKS.md).
-
-    Raises:
-        SaveError: The model is not a built KerasHub backbone or task, or
-            has variables without values; `preset_dir` exists and is not
-            empty (without `overwrite=True`), is not a directory, or cannot
-            be written; the processes passed different `preset_dir`s; or
-            writing failed on some process.
+    """`save_sharded_preset(model, preset_dir, format="keras")`: the preset
+    `model.save_to_preset(preset_dir)` writes, from every process, with no
+    gather. The arguments, crash safety, `durable` and errors are
+    `keras_hub_dist.save_sharded_preset`'s (`save.api`).
     """
-    target = os.path.abspath(os.fspath(preset_dir))
-    targets = _processes.gather_strings(target)
-    if len(set(targets)) > 1:
-        raise SaveError(
-            "Expected every process to pass the same preset_dir. Received: "
-            + ", ".join(f"process {i}: {t!r}" for i, t in enumerate(targets))
-            + ". Pass one path on a filesystem all processes share."
-        )
+    target = _agreed_target(preset_dir)
     backbone, task = _backbone_and_task(model)
     _processes.check_all(_model_error(model), SaveError, "Cannot save the model")
+    _claim_target(target, overwrite)
     parent, base = os.path.split(target)
-    error, report = None, []
-    if jax.process_index() == 0:  # before the target check: it may restore the target
-        error = _guard(lambda: report.append(staging.sweep_stale(parent, base)))
-    if report and report[0]:
-        warnings.warn(report[0], StaleStagingWarning, stacklevel=2)
-    _processes.check_all(error, SaveError, "Removing what earlier saves left failed")
-    _processes.check_all(_target_error(target, overwrite), SaveError, f"Cannot save to {target!r}")
 
     names = _compat.preset_file_names()
     backbone_bytes = _compat.variables_size_in_bytes(backbone.variables)
@@ -237,6 +157,47 @@ def save_sharded_preset(
     finally:  # the owner record, and the staging directory unless published
         if jax.process_index() == 0:
             staging.discard(target, token)
+
+
+def _agreed_target(preset_dir: str | os.PathLike) -> str:
+    """The absolute target, once every process has passed the same one."""
+    target = os.path.abspath(os.fspath(preset_dir))
+    targets = _processes.gather_strings(target)
+    if len(set(targets)) > 1:
+        raise SaveError(
+            "Expected every process to pass the same preset_dir. Received: "
+            + ", ".join(f"process {i}: {t!r}" for i, t in enumerate(targets))
+            + ". Pass one path on a filesystem all processes share."
+        )
+    return target
+
+
+def _claim_target(target: str, overwrite: bool) -> None:
+    """Removes what dead saves to `target` left (process 0; warns with what
+    it removed or left), then checks on every process that `target` may be
+    written."""
+    parent, base = os.path.split(target)
+    error, report = None, []
+    if jax.process_index() == 0:  # before the target check: it may restore the target
+        error = _guard(lambda: report.append(staging.sweep_stale(parent, base)))
+    if report and report[0]:
+        # The user's call, through `api.save_sharded_preset` and this module.
+        warnings.warn(report[0], StaleStagingWarning, stacklevel=4)
+    _processes.check_all(error, SaveError, "Removing what earlier saves left failed")
+    _processes.check_all(_target_error(target, overwrite), SaveError, f"Cannot save to {target!r}")
+
+
+def _create_staging(target: str, token: str, durable: bool) -> str:
+    """Creates the owner record and the staging directory of save `token`
+    (`staging.create`); returns the directory."""
+    try:
+        return staging.create(target, token, jax.process_count(), durable=durable)
+    except OSError as e:
+        raise SaveError(
+            f"Expected to create a directory beside preset_dir. Received: "
+            f"{type(e).__name__}: {e}. Choose a preset_dir on a writable "
+            "filesystem, or fix its permissions."
+        ) from e
 
 
 def _guard(step: Any) -> str | None:
@@ -350,14 +311,7 @@ def _prepare(
     target: str, token: str, durable: bool, backbone: Any, task: Any, sets: list[_WeightSet],
     names: dict[str, str],
 ) -> None:
-    try:
-        folder = staging.create(target, token, jax.process_count(), durable=durable)
-    except OSError as e:
-        raise SaveError(
-            f"Expected to create a directory beside preset_dir. Received: "
-            f"{type(e).__name__}: {e}. Choose a preset_dir on a writable "
-            "filesystem, or fix its permissions."
-        ) from e
+    folder = _create_staging(target, token, durable)
     if task is not None:
         _compat.save_preset_config(task, folder, names["task"])
     _compat.save_preset_config(backbone, folder, names["config"])
@@ -413,7 +367,8 @@ def _write(
     on_cpu = all(d.platform == "cpu" for d in jax.local_devices())
     bar = byte_progress(sum(p.nbytes for p in plans), f"Saving {base}", progress)
     error: list[str] = []
-    try:
+
+    def walk() -> None:
         for weight_set, plan in zip(sets, plans):
             by_name = {v.name: v for v in plan.values}
 
@@ -432,6 +387,16 @@ def _write(
                 bar.update(entry.nbytes)
 
             keras_h5.walk_saved_values(weight_set.model, write, skip=weight_set.skip)
+
+    return _walk_writes(walk, files, bar, durable, error)
+
+
+def _walk_writes(walk: Any, files: host_io.FileDescriptors, bar: Any, durable: bool, error: list[str]) -> str | None:
+    """Runs `walk` (which writes through `files` and records its errors in
+    `error`), flushes what it wrote with `durable`, closes `files` and the
+    bar; returns the first error as a message."""
+    try:
+        walk()
         if durable and not error:
             files.sync()  # what this process wrote, before the processes agree to publish
     except Exception as e:  # noqa: BLE001 - the walk itself failed
@@ -472,14 +437,7 @@ def _finish(
     names: dict[str, str],
     durable: bool,
 ) -> None:
-    sizes = [os.path.getsize(f) for f in files]
-    keys = checksums.all_chunks(sizes)
-    recorded = {}
-    for number, (path, size) in enumerate(zip(files, sizes)):
-        rows = [row for row, key in enumerate(keys) if key[0] == number]
-        recorded[os.path.basename(path)] = checksums.FileChecksum(
-            size, checksums.CHUNK_BYTES, tuple(digests[r].tobytes().hex() for r in rows)
-        ).to_json()
+    recorded = checksums.entries(files, digests)
     _compat.save_preset_metadata(backbone, folder)
     metadata_path = os.path.join(folder, names["metadata"])
     with open(metadata_path, encoding="utf-8") as f:

@@ -34,7 +34,7 @@ import numpy as np
 
 from keras_hub_dist.formats.base import ByteRuns, Index, byte_runs
 
-__all__ = ["BlockWrite", "SavePlan", "SaveRequest", "ValueWrite", "plan_save"]
+__all__ = ["BlockWrite", "SavePlan", "SaveRequest", "ValueWrite", "block_owners", "plan_save"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,25 @@ def _full_index(shape: Sequence[int]) -> Index:
     return tuple((0, int(d)) for d in shape)
 
 
+def block_owners(
+    device_indices: Mapping[Any, Index], itemsize: int, load: list[int]
+) -> list[tuple[Index, Any]]:
+    """Each distinct block of a value with the device that writes it: one
+    of its holders, on the process with the fewest bytes so far (`load`,
+    bytes per process, is updated). Same inputs, same answer on every
+    process."""
+    holders: dict[Index, list[Any]] = {}
+    for device, index in device_indices.items():
+        holders.setdefault(index, []).append(device)
+    owners = []
+    for index in sorted(holders):
+        nbytes = math.prod(b - a for a, b in index) * itemsize
+        owner = min(holders[index], key=lambda d: (load[d.process_index], d.process_index, d.id))
+        load[owner.process_index] += nbytes
+        owners.append((index, owner))
+    return owners
+
+
 def plan_save(
     requests: Sequence[SaveRequest],
     *,
@@ -138,13 +157,7 @@ def plan_save(
             if process_index == 0:
                 mine.append(BlockWrite(index, None, runs))
         else:
-            holders: dict[Index, list[Any]] = {}
-            for device, index in request.device_indices.items():
-                holders.setdefault(index, []).append(device)
-            for index in sorted(holders):
-                nbytes = math.prod(b - a for a, b in index) * itemsize
-                owner = min(holders[index], key=lambda d: (load[d.process_index], d.process_index, d.id))
-                load[owner.process_index] += nbytes
+            for index, owner in block_owners(request.device_indices, itemsize, load):
                 if owner.process_index == process_index:
                     runs = byte_runs(request.shape, itemsize, index, request.offset)
                     mine.append(BlockWrite(index, owner.id, runs))

@@ -6,6 +6,8 @@ keras-hub-dist validate --preset /path/to/preset_dir --phases load --hbm_gb 16 \
     --json report.json --plot memory.png
 keras-hub-dist validate --preset /path/to/Qwen3-8B --phases load   # an HF checkpoint
 keras-hub-dist validate --preset llama3_8b_en --checkpoint_format huggingface
+keras-hub-dist convert ./Qwen3-8B ./qwen3_8b_keras --to keras
+keras-hub-dist convert ./gemma_7b_tuned ./gemma_7b_hf --to huggingface --dtype bfloat16
 ```
 
 `validate` measures, per device, the peak and final memory of building
@@ -13,6 +15,10 @@ keras-hub-dist validate --preset llama3_8b_en --checkpoint_format huggingface
 KerasHub under the same `ModelParallel`, each case in a fresh process; see
 `keras_hub_dist.validate.runner` for the phases and
 `keras_hub_dist.validate.schema` for the JSON report and the exit codes.
+
+`convert` converts a checkpoint between the KerasHub and Hugging Face formats
+file to file, never holding the model's values
+(`keras_hub_dist.validate.convert`); exit status 0, or 2 with the error.
 """
 
 from __future__ import annotations
@@ -155,7 +161,68 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_validate_flags(validate)
+    convert = commands.add_parser(
+        "convert",
+        help="Convert a checkpoint between the KerasHub and Hugging Face formats, file to file.",
+        description=(
+            "Convert a KerasHub preset to a Hugging Face (Transformers) checkpoint or back, "
+            "tile by tile from the source files into the target files, without building "
+            "the model's values (host memory stays at a few hundred MiB whatever the size)."
+        ),
+    )
+    _add_convert_flags(convert)
     return parser
+
+
+def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("source", help="A KerasHub preset or Hugging Face checkpoint (directory or handle).")
+    add("target", help="The directory to create.")
+    add("--to", required=True, choices=("keras", "huggingface"), help="The target format.")
+    add("--dtype", default=None, help="Dtype of the floating-point weights. Default: the source's own.")
+    add(
+        "--task",
+        default="auto",
+        help="auto: carry over the source's tokenizer as a causal LM if it has one; none: "
+        "the backbone only; or a task name such as causal_lm. Default: %(default)s.",
+    )
+    add(
+        "--max_shard_size",
+        "--max-shard-size",
+        default=None,
+        help="GB per weights file (a number) or, for huggingface, a size such as 5GB. "
+        "Default: 10 (keras) / 50GB (huggingface).",
+    )
+    add("--overwrite", action="store_true", help="Replace an existing target once complete.")
+    add(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Show a progress bar. Default: when stderr is a terminal.",
+    )
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """The `convert` command; returns the exit code."""
+    from keras_hub_dist.errors import PresetError, SaveError
+    from keras_hub_dist.validate.convert import convert_checkpoint
+
+    shard: float | str | None = args.max_shard_size
+    if shard is not None:
+        try:
+            shard = float(shard)
+        except ValueError:
+            pass
+    try:
+        convert_checkpoint(
+            args.source, args.target, to=args.to, dtype=args.dtype,
+            task=None if args.task == "none" else args.task, overwrite=args.overwrite,
+            progress=args.progress, max_shard_size=shard,
+        )
+    except (PresetError, SaveError, ValueError) as e:
+        print(f"keras-hub-dist convert: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def options_from_args(args: argparse.Namespace) -> ValidateOptions:
@@ -216,6 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `keras-hub-dist` console command."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        try:
+            return run_convert(args)
+        except KeyboardInterrupt:
+            return 130
     try:
         options = options_from_args(args)
         return execute(

@@ -70,8 +70,9 @@ _STOCK_TENSOR_NAME = {
 }
 
 # gpt-oss experts as published (MXFP4): transformers writes them only from a
-# GPU-quantized model, so the fixture has them dequantized (refused, see
-# test_gpt_oss_unquantized_experts_are_refused); the loads use these.
+# GPU-quantized model, so the fixture has them dequantized (loaded as they
+# are, see test_gpt_oss_unquantized_experts_load_as_they_are); the other
+# loads use these.
 _MXFP4_EXPERTS = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)(_blocks|_scales)$")
 _PLAIN_EXPERTS = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$")
 
@@ -265,17 +266,24 @@ def test_stock_loads_the_fixture_checkpoint_silently_with_another_rope(
     assert getattr(model, attribute) == value
 
 
-def test_gpt_oss_unquantized_experts_are_refused(tmp_path, clean_state):
+def test_gpt_oss_unquantized_experts_load_as_they_are(tmp_path):
+    """Transformers' float experts (`experts.gate_up_proj` (experts, in, out))
+    are KerasHub's variable layout: loaded as they are, bitwise, where stock
+    (MXFP4 only) fails."""
     config, shapes = _fixture("gpt_oss")
-    path = write_hf_checkpoint(str(tmp_path / "gpt_oss"), config, _values(shapes))
+    values = _values(shapes)
+    path = write_hf_checkpoint(str(tmp_path / "gpt_oss"), config, values)
     with pytest.raises(SafetensorError, match="gate_up_proj_blocks"):
         keras_hub.models.Backbone.from_preset(path)
-    with clean_state(), pytest.raises(PresetError) as info:
-        load_sharded_preset(path, mesh=(1, 8), progress=False)
-    message = str(info.value)
-    assert "stores its experts unquantized" in message
-    assert "'model.layers.0.mlp.experts.down_proj', shape [8, 32, 64]" in message
-    assert "MXFP4" in message and "Fix:" in message
+    model = load_sharded_preset(path, mesh=(1, 8), progress=False)
+    keras.distribution.set_distribution(None)
+    experts = {v.path: v for v in model.weights if "/experts/" in v.path}
+    assert len(experts) == 8
+    for layer in range(2):
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            value = np.asarray(experts[f"transformer_layer_{layer}/sparse_moe_block/experts/{name}"])
+            stored = values[f"model.layers.{layer}.mlp.experts.{name}"]
+            assert value.shape == stored.shape and value.tobytes() == stored.tobytes(), (layer, name)
 
 
 # ------------------------------------------------------------------ (c)

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from conftest import MESH_SHAPES
 
-from keras_hub_dist import load_sharded_preset, save_sharded_preset, write_synthetic_preset
+from keras_hub_dist import convert_checkpoint, load_sharded_preset, save_sharded_preset, write_synthetic_preset
 from keras_hub_dist.formats import keras_h5, safetensors_files
 from tests.formats.hf import dense, moe
 from tests.formats.hf.writer import write_hf_checkpoint
+from tests.save.test_convert import _datasets
 
 SCHEMES = ("s3", "gs", "hf", "http")
 SMALL = dict(vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8,
@@ -147,3 +148,26 @@ def test_verify_names_a_remote_byte_range_that_changed(tmp_path, remote_checkpoi
     remote = remote_checkpoint(str(changed), schemes=["s3"])["s3"]
     with clean_state(), pytest.raises(Exception, match=r"bytes 0:\d+ of .*model.weights.h5.* changed since saving"):
         load_sharded_preset(remote.url, mesh=(1, 8), verify=True, progress=False)
+
+
+@pytest.mark.parametrize("kind, to", [("hf_moe_f32_index", "keras"), ("keras_moe_bf16_multi", "huggingface")])
+def test_convert_from_a_remote_source_equals_the_local_conversion(checkpoints, remote_checkpoint, tmp_path,
+                                                                  kind, to):
+    """`convert_checkpoint` reads a remote source by byte ranges, as the
+    loader does: the same files as converting the local copy, and the
+    source's weight bytes fetched about once."""
+    local = checkpoints[kind]
+    remote = remote_checkpoint(local, schemes=["http"])["http"]
+    convert_checkpoint(local, str(tmp_path / "from_local"), to=to, task=None, progress=False)
+    remote.server.clear()
+    convert_checkpoint(remote.url, str(tmp_path / "from_remote"), to=to, task=None, progress=False)
+    names = sorted(os.listdir(tmp_path / "from_local"))
+    assert sorted(os.listdir(tmp_path / "from_remote")) == names
+    if to == "keras":  # HDF5's own metadata differs from file to file
+        assert _datasets(tmp_path / "from_remote") == _datasets(tmp_path / "from_local")
+    for name in names:
+        if name.endswith((".safetensors", ".index.json")):
+            assert (tmp_path / "from_remote" / name).read_bytes() == (tmp_path / "from_local" / name).read_bytes(), name
+    for name, (nbytes, metadata_reads, _) in _weight_files(local).items():
+        sent = remote.bytes_sent(name, process=0)
+        assert nbytes <= sent <= nbytes * 1.01 + metadata_reads * 64 * 1024, (name, sent, nbytes)

@@ -1,12 +1,14 @@
 """One process of a multi-process save (driven by tests/save/test_save_multiprocess.py).
 
 Usage: python multiprocess_save_worker.py PROCESS_ID NUM_PROCESSES PORT
-           LOCAL_DEVICES PRESET_DIR MESH TARGET OUT_DIR MODE
+           LOCAL_DEVICES PRESET_DIR MESH TARGET OUT_DIR MODE [FORMAT]
 
 Joins a `jax.distributed` job on 127.0.0.1:PORT with LOCAL_DEVICES simulated
 CPU devices (gloo), loads PRESET_DIR sharded over MESH ("BxM"), then calls
-`save_sharded_preset(model, TARGET, overwrite=True)`, recording every byte
-range this process writes. MODE:
+`save_sharded_preset(model, TARGET, overwrite=True, format=FORMAT)` (default
+"keras"; "huggingface", in 100KB shards, for
+tests/save/test_hf_export_multiprocess.py),
+recording every byte range this process writes. MODE:
 
 - `ok`: a plain save;
 - `durable`: a save with `durable=True`, recording every path it fsyncs;
@@ -30,6 +32,7 @@ from tests.multiprocess_jobs import join_job  # noqa: E402
 def main() -> None:
     process_id, num_processes, port, local_devices = map(int, sys.argv[1:5])
     preset, mesh_arg, target, out_dir, mode = sys.argv[5:10]
+    save_format = sys.argv[10] if len(sys.argv) > 10 else "keras"
     join_job(process_id, num_processes, port, local_devices)
     import jax
 
@@ -60,8 +63,10 @@ def main() -> None:
     os.pwritev, os.fsync = recording_pwritev, recording_fsync
     error = None
     try:
+        extra = {"max_shard_size": "100KB"} if save_format == "huggingface" else {}
         keras_hub_dist.save_sharded_preset(
-            backbone, target, overwrite=True, progress=False, durable=mode == "durable"
+            backbone, target, overwrite=True, progress=False, format=save_format,
+            durable=mode == "durable", **extra
         )
     except Exception as e:  # noqa: BLE001 - reported to the test
         error = f"{type(e).__name__}: {e}"

@@ -24,7 +24,7 @@ import pytest
 
 from keras_hub_dist import SaveError, StaleStagingWarning
 from keras_hub_dist import load_sharded_preset, save_sharded_preset, write_synthetic_preset
-from keras_hub_dist.save import saver, staging
+from keras_hub_dist.save import hf_export, saver, staging
 from tests.save.test_save import _assert_same_weights
 
 WORKER = pathlib.Path(__file__).with_name("killed_save_worker.py")
@@ -286,3 +286,43 @@ def test_durable_flushes_every_file_and_writes_the_same_bytes(preset, tmp_path, 
             else:
                 assert a.read_bytes() == b.read_bytes(), name
     assert sorted(os.listdir(tmp_path / "new" / "dir")) == ["durable"]
+
+
+def test_the_hugging_face_export_is_staged_as_the_keras_save(model, tmp_path, monkeypatch):
+    """format="huggingface": the same owner record beside its staging
+    directory, the same sweep of what a dead save left, the same flushes
+    with `durable=True` (`save.staging`, one implementation for both)."""
+    dead = dataclasses.replace(staging.Owner.of_process(os.getpid(), TOKENS["dead"], 1),
+                               started="ticks:1")
+    partial = _leftover(tmp_path, "hf", TOKENS["dead"], dead)
+    events = _spy_on_fsync_and_rename(monkeypatch)
+    monkeypatch.setattr(hf_export, "_local_digests", saver._local_digests)  # the spy
+    beside = []
+    publish = staging.publish
+
+    def publishing(folder, target, token, **kwargs):
+        beside.extend(sorted(os.listdir(tmp_path)))
+        return publish(folder, target, token, **kwargs)
+
+    monkeypatch.setattr(staging, "publish", publishing)
+    target = tmp_path / "hf"
+    with pytest.warns(StaleStagingWarning) as warned:
+        save_sharded_preset(model, str(target), format="huggingface", durable=True, progress=False)
+    (message,) = _messages(warned)
+    assert f"removed {partial!r}" in message
+    (record,) = [n for n in beside if n.startswith(".hf.owner-")]
+    token = record[len(".hf.owner-"):-len(".json")]
+    assert beside == sorted([record, f".hf.partial-{token}"])
+    assert os.listdir(tmp_path) == ["hf"]
+
+    (renamed,) = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(target)]
+    folder = events[renamed][1]
+    flushed = [e[1] for e in events[:renamed] if e[0] == "fsync"]
+    paths = _preset_paths(target)
+    assert {"config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"} <= set(paths)
+    assert not [p for p in paths if os.path.normpath(os.path.join(folder, p)) not in flushed]
+    assert ("fsync", str(tmp_path)) in events[renamed + 1:]
+    weights = os.path.join(folder, "model-00001-of-00001.safetensors")
+    assert ("fsync", weights) in events[:events.index(("hash",))]
+    keras.distribution.set_distribution(None)
+    _assert_same_weights(model, load_sharded_preset(str(target), mesh=(2, 4), verify=True, progress=False))

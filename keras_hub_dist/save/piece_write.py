@@ -1,0 +1,122 @@
+"""Positioned writes of one block through its pieces (`formats.pieces`).
+
+A block of a leaf (a device's block of a variable when exporting, a tile of
+a source tensor when converting) lands in the target file as strided byte
+runs (`BlockWrite.runs`), its elements in the file's order
+(`BlockWrite.values`, a view of the block). When that view is contiguous
+and of the file's dtype it is written as it is, with no copy (on CPU straight
+from the device buffer); otherwise it is copied into one reusable host
+buffer of `CHUNK_BYTES`, a slab of outermost indices at a time (casting on
+the way), and written from there. So the host memory a write adds is at
+most `CHUNK_BYTES`, whatever the block.
+
+The copy runs in tiles of `TILE` outermost x innermost indices: a
+transposed view read element by element walks memory with a large stride,
+and tiles keep both sides in cache (about 3x faster than one `copyto` on
+this machine, see BENCHMARKS.md).
+
+Example:
+
+```python
+writer = PieceWriter(host_io.FileDescriptors(os.O_WRONLY))
+writer.write(block_values, [("model-00001-of-00001.safetensors", write, np.float32)])
+```
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from keras_hub_dist.formats import host_io
+from keras_hub_dist.formats.base import ByteRuns
+from keras_hub_dist.formats.pieces import BlockWrite
+
+__all__ = ["CHUNK_BYTES", "PieceWriter", "PieceWriteStats"]
+
+# The host buffer a copied write goes through.
+CHUNK_BYTES = 16 << 20
+# (outermost, innermost) indices per tile of a copy.
+TILE = (256, 256)
+
+
+@dataclass
+class PieceWriteStats:
+    """What a writer did: bytes, `pwritev` calls, bytes that needed a copy."""
+
+    bytes_written: int = 0
+    write_calls: int = 0
+    bytes_copied: int = 0
+
+
+def _tiled_copy(out: np.ndarray, values: np.ndarray) -> None:
+    """`out[...] = values` (casting), in cache-sized tiles."""
+    if values.ndim < 2 or values.flags.c_contiguous:
+        np.copyto(out, values, casting="unsafe")
+        return
+    rows, cols = TILE
+    for i in range(0, values.shape[0], rows):
+        for j in range(0, values.shape[-1], cols):
+            np.copyto(out[i : i + rows, ..., j : j + cols], values[i : i + rows, ..., j : j + cols], casting="unsafe")
+
+
+class PieceWriter:
+    """Writes blocks through their `BlockWrite`s, reusing one host buffer.
+
+    Args:
+        files: Open target files (`os.O_WRONLY`), by path.
+        chunk_bytes: Size of the host buffer copies go through.
+        on_written: Told of the byte runs of each file as they are written
+            (`formats.checksums.HashingAsWritten.written`).
+    """
+
+    def __init__(
+        self,
+        files: host_io.FileDescriptors,
+        chunk_bytes: int = CHUNK_BYTES,
+        on_written: Callable[[str, ByteRuns], None] | None = None,
+    ) -> None:
+        self.files = files
+        self.chunk_bytes = chunk_bytes
+        self.on_written = on_written
+        self.stats = PieceWriteStats()
+        self._buffer: np.ndarray | None = None
+
+    def _chunk(self, nbytes: int) -> np.ndarray:
+        if self._buffer is None:
+            self._buffer = host_io.aligned_empty((self.chunk_bytes,), np.uint8)
+        return self._buffer[:nbytes]
+
+    def write(self, block: np.ndarray, writes: Sequence[tuple[str, BlockWrite, np.dtype]]) -> None:
+        """Writes `block`'s part of each `(file path, write, file dtype)`."""
+        for path, write, dtype in writes:
+            fd = self.files(path)
+            values = write.values(block)
+            if values.dtype == dtype and values.flags.c_contiguous:
+                runs = write.runs()
+                self.stats.write_calls += host_io.write_runs(fd, runs, values)
+                self.stats.bytes_written += write.nbytes
+                if self.on_written is not None:
+                    self.on_written(path, runs)
+                continue
+            if values.ndim == 0:
+                values = values.reshape(1)
+            row = math.prod(values.shape[1:]) * np.dtype(dtype).itemsize
+            step = max(1, self.chunk_bytes // max(row, 1))
+            for first in range(0, values.shape[0], step):
+                stop = min(values.shape[0], first + step)
+                part = values[first:stop]
+                if row * (stop - first) > self.chunk_bytes:  # one row over the buffer
+                    out = host_io.aligned_empty(part.shape, dtype)
+                else:
+                    out = self._chunk(row * (stop - first)).view(dtype).reshape(part.shape)
+                _tiled_copy(out, part)
+                runs = write.runs(first, stop) if write.shape else write.runs()
+                self.stats.write_calls += host_io.write_runs(fd, runs, out)
+                self.stats.bytes_written += out.nbytes
+                self.stats.bytes_copied += out.nbytes
+                if self.on_written is not None:
+                    self.on_written(path, runs)
