@@ -185,6 +185,14 @@ class Exchange:
     sharding, updating it in place. Rounds keep the moment's extra device
     memory at one round's pieces.
 
+    The same rounds serve a remote tensor that the processes split along a
+    later dimension (KerasHub's layouts put the batch axis on a kernel's
+    last dimension): each process's share is then a short run per row, a
+    range request each (2,835 per process for a 2-layer test model, 272,460
+    for the Gemma-7B-width probe). The process-spanning axes move to the
+    first dimension instead, each process reads whole rows (a few long
+    ranges), and the rounds' program moves each piece to its device.
+
     Attributes:
         spec: Partition spec of the parts (the read source's coordinates).
         dim: The dimension the parts split.
@@ -335,6 +343,24 @@ def cross_process_axes(mesh: Any) -> tuple[str, ...]:
     )
 
 
+def _without(entry: AxisEntry, axes: tuple[str, ...]) -> AxisEntry:
+    kept = tuple(a for a in specs.entry_axes(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def _fragmented(source: TensorSource, blocks: Sequence[Block]) -> bool:
+    """Whether a remote tensor's share on this process is many short runs
+    (a request each, at a round trip each), e.g. a kernel whose last axis
+    the processes split."""
+    stored = source.stored
+    if stored is None or stored.opened is None or not blocks:
+        return False
+    indices = [b.read_index or b.index for b in blocks]
+    box = tuple((min(i[d][0] for i in indices), max(i[d][1] for i in indices)) for d in range(len(indices[0])))
+    runs = stored.block_runs(box)
+    return runs.num_runs > 1 and runs.run_bytes < DIRECT_MIN_RUN_BYTES
+
+
 def _rounds_for(piece_rows: int, block_bytes: int) -> int:
     """How many rounds exchange a block: enough that one round moves at most
     `EXCHANGE_ROUND_BYTES` (or 1/`EXCHANGE_MAX_ROUNDS` of it), a divisor of
@@ -351,16 +377,28 @@ def _plan_exchange(
     process_index: int,
     cross: tuple[str, ...],
     mesh_order: dict[int, int],
+    fragmented: bool = False,
 ) -> Exchange | None:
     """The `Exchange` of a variable whose blocks devices of several
-    processes hold, or `None` when no dimension can take the parts."""
+    processes hold, or of a `fragmented` one (its process-spanning axes
+    split a later dimension, so each process's share is a short run per
+    row): `None` when neither applies or no dimension can take the parts."""
     sizes = dict(zip(tuple(mesh.axis_names), np.asarray(mesh.devices).shape))
     used = {a for entry in spec for a in specs.entry_axes(entry)}
     spreading = tuple(a for a in cross if a not in used)
-    if not spreading:
+    # Axes that split a later dimension across processes move to the first
+    # one: each process then reads whole rows (a few long ranges instead of
+    # a request per row) and the round's program moves them where they go.
+    moving = () if spreading or not fragmented else tuple(
+        a for a in cross if any(a in specs.entry_axes(entry) for entry in spec[1:])
+    )
+    if not spreading and not moving:
         return None
+    if moving:
+        spec = tuple(_without(entry, moving) for entry in spec)
+        spreading = moving
     shape = tuple(source.shape)
-    for dim in range(len(shape)):
+    for dim in range(1 if moving else len(shape)):
         axes = specs.entry_axes(spec[dim]) + spreading
         parts = math.prod(sizes[a] for a in axes)
         if shape[dim] % parts == 0 and shape[dim] // parts > 0:
@@ -449,7 +487,7 @@ def plan_load(
             read_spec = spec if perm is None else tuple(spec[perm.index(i)] for i in range(len(spec)))
             exchanged = _plan_exchange(
                 read_source, read_spec, np.dtype(request.target_dtype), mesh, process_index,
-                cross, mesh_order,
+                cross, mesh_order, fragmented=_fragmented(read_source, blocks),
             )
             if exchanged is not None:
                 strategy = "exchange"

@@ -291,3 +291,42 @@ def test_no_exchange_when_no_dimension_takes_the_parts():
     odd = _dataset((3,), name="odd")  # 3 rows cannot be cut in 2 parts
     (var,) = plan_load([VariableRequest("odd", odd, (None,), np.float32)], mesh, process_index=0).variables
     assert var.exchange is None and var.read_bytes == odd.nbytes
+
+
+@pytest.mark.parametrize(
+    "shape, spec, staged",
+    [
+        ((64, 32), ("model", "batch"), (("model", "batch"), None)),
+        ((64, 32), (None, "batch"), ("batch", None)),
+        ((16, 4, 32), ("model", None, "batch"), (("model", "batch"), None, None)),
+    ],
+)
+def test_a_remote_tensor_the_processes_split_on_a_later_axis_is_read_as_whole_rows(shape, spec, staged, monkeypatch):
+    """Each process needs a short run of every row (a request per row from
+    an object store): instead it reads whole rows, half the rows each, as a
+    few long ranges, and the rounds move them to their devices. A local file
+    keeps its strided reads (no device exchange)."""
+    from keras_hub_dist.load import block_plan
+
+    monkeypatch.setattr(block_plan, "EXCHANGE_ROUND_BYTES", 1024)
+    mesh = FakeMesh({"batch": 2, "model": 4}, num_processes=2)
+    nbytes = math.prod(shape) * 4
+    info = DatasetInfo("/f.h5", "t", shape, np.dtype(np.float32), 4096, nbytes, opened=object())
+    local = dataset_source(DatasetInfo("/f.h5", "t", shape, np.dtype(np.float32), 4096, nbytes))
+    job = []
+    for p in range(2):
+        (var,) = plan_load([VariableRequest("t", dataset_source(info), spec, np.float32)], mesh, process_index=p).variables
+        assert var.exchange is not None and var.exchange.dim == 0 and var.exchange.spec == staged
+        assert var.read_bytes == nbytes // 2
+        for rnd in var.exchange.rounds:
+            for block in rnd.blocks:
+                assert block.runs.num_runs == 1  # whole rows: one range
+                job += list(block.runs)
+        # The final blocks it holds are unchanged.
+        assert {d for b in var.blocks for d in b.device_ids} == set(range(4 * p, 4 * p + 4))
+        (kept,) = plan_load([VariableRequest("t", local, spec, np.float32)], mesh, process_index=p).variables
+        assert kept.exchange is None and kept.read_bytes == nbytes // 2
+    offsets = sorted(job)
+    assert sum(n for _, n in offsets) == nbytes
+    for (o1, n1), (o2, _) in itertools.pairwise(offsets):
+        assert o1 + n1 == o2  # disjoint, and together the tensor once
