@@ -5,22 +5,7 @@ Kept at the package root so `keras_hub_dist.memory.X` and
 `keras_hub_dist/measure/memory.py`.
 """
 
-from keras_hub_dist.measure.memory import (  # noqa: F401
-    MemorySampler,
-    compiled_memory,
-    current_rss_bytes,
-    device_memory_stats,
-    host_peak_rss_bytes,
-    live_bytes_per_device,
-    reset_host_peak_rss,
-)
+from keras_hub_dist.measure import memory as _memory
+from keras_hub_dist.measure.memory import *  # noqa: F401,F403
 
-__all__ = [
-    "MemorySampler",
-    "compiled_memory",
-    "current_rss_bytes",
-    "device_memory_stats",
-    "host_peak_rss_bytes",
-    "live_bytes_per_device",
-    "reset_host_peak_rss",
-]
+__all__ = list(_memory.__all__)

@@ -35,80 +35,73 @@ from keras_hub_dist import _compat
 
 __all__ = ["watch_compilations", "watch_executions"]
 
+class _Hook:
+    """One patched JAX function and its listeners: patched when the first
+    listener arrives, restored when the last one leaves. The `_compat`
+    names are looked up at each watch (tests turn a hook off there)."""
+
+    def __init__(self, available: str, swap: str) -> None:
+        self._available, self._swap_name = available, swap
+        self.listeners: list[Callable[..., None]] = []
+        self.original: Callable[..., Any] | None = None
+
+    @contextlib.contextmanager
+    def watch(self, callback: Callable[..., None], replacement: Callable[..., Any]) -> Iterator[bool]:
+        if not getattr(_compat, self._available):
+            yield False
+            return
+        with _lock:
+            if not self.listeners:
+                self.original = getattr(_compat, self._swap_name)(replacement)
+            self.listeners.append(callback)
+        try:
+            yield True
+        finally:
+            with _lock:
+                self.listeners.remove(callback)
+                if not self.listeners:
+                    getattr(_compat, self._swap_name)(self.original)
+                    self.original = None
+
+    def tell(self, *args: Any) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(*args)
+            except Exception:  # noqa: BLE001 - never break a user's program
+                pass
+
+
 _lock = threading.Lock()
-_compile_listeners: list[Callable[[Any, str], None]] = []
-_execute_listeners: list[Callable[[Any, Any], None]] = []
-_original_compile: Callable[..., Any] | None = None
-_original_execute: Callable[..., Any] | None = None
+_compiles = _Hook("CAN_WATCH_COMPILATIONS", "swap_compile_function")
+_executions = _Hook("CAN_WATCH_EXECUTIONS", "swap_execute_method")
 
 
 def _watching_compile(backend: Any, computation: Any, *args: Any, **kwargs: Any) -> Any:
-    executable = _original_compile(backend, computation, *args, **kwargs)
-    name = _compat.computation_name(computation)
-    for listener in list(_compile_listeners):
-        try:
-            listener(executable, name)
-        except Exception:  # noqa: BLE001 - never break a user's compile
-            pass
+    executable = _compiles.original(backend, computation, *args, **kwargs)
+    _compiles.tell(executable, _compat.computation_name(computation))
     return executable
 
 
 def _watching_execute(self: Any, *args: Any) -> Any:
-    out = _original_execute(self, *args)
-    for listener in list(_execute_listeners):
-        try:
-            listener(_compat.executed_program(self), out)
-        except Exception:  # noqa: BLE001 - never break a user's program
-            pass
+    out = _executions.original(self, *args)
+    _executions.tell(_compat.executed_program(self), out)
     return out
 
 
-@contextlib.contextmanager
-def watch_compilations(callback: Callable[[Any, str], None]) -> Iterator[bool]:
+def watch_compilations(callback: Callable[[Any, str], None]) -> contextlib.AbstractContextManager[bool]:
     """Calls `callback(loaded_executable, module_name)` per XLA compilation.
 
     Yields `False` (and calls nothing) where this JAX version has no hook.
     The patch is process-wide and removed when the last watcher exits.
     """
-    global _original_compile
-    if not _compat.CAN_WATCH_COMPILATIONS:
-        yield False
-        return
-    with _lock:
-        if not _compile_listeners:
-            _original_compile = _compat.swap_compile_function(_watching_compile)
-        _compile_listeners.append(callback)
-    try:
-        yield True
-    finally:
-        with _lock:
-            _compile_listeners.remove(callback)
-            if not _compile_listeners:
-                _compat.swap_compile_function(_original_compile)
-                _original_compile = None
+    return _compiles.watch(callback, _watching_compile)
 
 
-@contextlib.contextmanager
-def watch_executions(callback: Callable[[Any, Any], None]) -> Iterator[bool]:
+def watch_executions(callback: Callable[[Any, Any], None]) -> contextlib.AbstractContextManager[bool]:
     """Calls `callback(loaded_executable, outputs)` per Python-path execution.
 
     Runs through JAX's C++ fast path (the same jit object called again with
     the same argument types) are not seen. Yields `False` where this JAX
     version has no hook. Process-wide; removed when the last watcher exits.
     """
-    global _original_execute
-    if not _compat.CAN_WATCH_EXECUTIONS:
-        yield False
-        return
-    with _lock:
-        if not _execute_listeners:
-            _original_execute = _compat.swap_execute_method(_watching_execute)
-        _execute_listeners.append(callback)
-    try:
-        yield True
-    finally:
-        with _lock:
-            _execute_listeners.remove(callback)
-            if not _execute_listeners:
-                _compat.swap_execute_method(_original_execute)
-                _original_execute = None
+    return _executions.watch(callback, _watching_execute)
