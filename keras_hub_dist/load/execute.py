@@ -43,8 +43,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,8 @@ PREFETCH_BYTES = 1 << 30
 # A scattered variable's stretches are read this many bytes at a time (all
 # of a window's requests in flight together for a remote file).
 _SCATTER_WINDOW_BYTES = 256 << 20
+# Exchange rounds read ahead of the round being placed.
+_ROUNDS_AHEAD = 2
 
 
 @dataclass
@@ -305,7 +308,7 @@ def _round_view(var: VariablePlan, round_: Round) -> VariablePlan:
 
 def _exchange(
     var: VariablePlan,
-    rounds: list[tuple[Round, list[tuple[Block, np.ndarray]]]],
+    rounds: Iterable[tuple[Round, list[tuple[Block, np.ndarray]]]],
     sharding: jax.sharding.Sharding,
     placer: _Placer,
     created: list[jax.Array],
@@ -329,6 +332,55 @@ def _exchange(
         pieces.delete()
     created.pop()
     return array
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _RoundsAhead:
+    """An exchanged variable's rounds, read on a thread of their own at most
+    `depth` rounds ahead of the one being placed: reading overlaps the
+    rounds' programs, and the variable's host pieces never all exist at once
+    (host memory stays at a few rounds, not the process's whole share)."""
+
+    _END = object()
+
+    def __init__(self, rounds: Iterator[Any], depth: int) -> None:
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(rounds,), name="keras_hub_dist-rounds", daemon=True)
+        self._thread.start()
+
+    def _run(self, rounds: Iterator[Any]) -> None:
+        try:
+            for item in rounds:
+                if not self._put(item):
+                    return
+        except BaseException as e:  # noqa: BLE001 - raised in the consumer
+            self._put(_Failed(e))
+            return
+        self._put(self._END)
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[Any]:
+        while (item := self._queue.get()) is not self._END:
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class _Prefetch:
@@ -453,13 +505,17 @@ def execute_plan(
     placer = _Placer(devices, stats)
     pool = ThreadPoolExecutor(num_threads, "keras_hub_dist-read") if num_threads > 1 else None
 
+    rounds_ahead: list[_RoundsAhead] = []
+
     def produce(var: VariablePlan) -> Any:
         if var.exchange is None:
             return list(_host_blocks(readers, var, stats, pool, num_threads))
-        return [
-            (r, list(_host_blocks(readers, _round_view(var, r), stats, pool, num_threads)))
-            for r in var.exchange.rounds
-        ]
+        rounds = _RoundsAhead(
+            ((r, list(_host_blocks(readers, _round_view(var, r), stats, pool, num_threads))) for r in var.exchange.rounds),
+            _ROUNDS_AHEAD,
+        )
+        rounds_ahead.append(rounds)
+        return rounds
 
     prefetch = _Prefetch(plan.variables, produce, prefetch_threads or num_threads, prefetch_bytes)
     try:
@@ -507,6 +563,8 @@ def execute_plan(
         raise
     finally:
         prefetch.close()
+        for rounds in rounds_ahead:
+            rounds.close()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         readers.close()
