@@ -35,6 +35,7 @@ from keras_hub_dist import _compat
 
 __all__ = ["watch_compilations", "watch_executions"]
 
+
 class _Hook:
     """One patched JAX function and its listeners: patched when the first
     listener arrives, restored when the last one leaves. The `_compat`
