@@ -80,10 +80,6 @@ def _full(shape: Sequence[int]) -> Index:
     return tuple((0, int(d)) for d in shape)
 
 
-def _contains(outer: Index, inner: Index) -> bool:
-    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
-
-
 def _slices(index: Index, origin: Index) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(index, origin))
 
@@ -291,9 +287,6 @@ class TensorQuantizer:
         """Statistics `box` assembled from the kept ones (one values block's,
         or several that together cover it: a row-sharded embedding's scale
         spans every block), or `None` when they do not cover it."""
-        for cached_box, arrays in self._cache:
-            if _contains(cached_box, box):
-                return tuple(a[_slices(box, cached_box)] for a in arrays)
         parts = [(part, cached_box, arrays) for cached_box, arrays in self._cache if (part := _intersection(cached_box, box))]
         if not parts:
             return None

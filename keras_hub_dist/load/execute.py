@@ -434,7 +434,7 @@ class _Prefetch:
             yield var, future
 
     def _run(self, group: Sequence[VariablePlan], futures: Sequence[Future]) -> None:
-        for var, future in zip(group, futures):
+        for i, (var, future) in enumerate(zip(group, futures)):
             if not future.set_running_or_notify_cancel():
                 return  # closed: the rest were cancelled too
             try:
@@ -444,7 +444,7 @@ class _Prefetch:
                 future.set_result(self._produce(var))
             except BaseException as e:  # noqa: BLE001 - the caller re-raises it
                 future.set_exception(e)
-                for later in futures[futures.index(future) + 1 :]:
+                for later in futures[i + 1 :]:
                     if later.set_running_or_notify_cancel():
                         later.set_exception(PresetError("the load stopped"))
                 return
