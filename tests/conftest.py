@@ -107,6 +107,22 @@ def assert_laid_out_as(variables, layout_map, mesh):
         )
 
 
+def failing_on_call(real, n, error):
+    """`real(fd, buffers, offset)` that raises `error` at its `n`-th call: a
+    disk or read fault injected at a known moment. The offsets of every call
+    are kept in the wrapper's `calls`."""
+    calls = []
+
+    def wrapper(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) == n:
+            raise error
+        return real(fd, buffers, offset)
+
+    wrapper.calls = calls
+    return wrapper
+
+
 def make_model_parallel(mesh_shape, layout_entries=None):
     """A `ModelParallel` over (batch, model) with the given layout entries."""
     mesh = keras.distribution.DeviceMesh(

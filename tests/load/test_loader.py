@@ -11,7 +11,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-from conftest import MESH_SHAPES
+from conftest import MESH_SHAPES, failing_on_call
 
 import keras_hub_dist
 from keras_hub_dist import LayoutError, PresetError, _compat
@@ -498,22 +498,14 @@ def test_indivisible_dimension_suggests_a_mesh(tmp_path, clean_state):
 
 
 def test_failure_while_reading_leaves_nothing_half_loaded(gemma_preset, monkeypatch, clean_state):
-    calls = []
-    real = host_io.preadv_full
-
-    def flaky(fd, buffers, offset):
-        calls.append(offset)
-        if len(calls) == 6:
-            raise OSError(5, "Input/output error")
-        return real(fd, buffers, offset)
-
+    flaky = failing_on_call(host_io.preadv_full, 6, OSError(5, "Input/output error"))
     monkeypatch.setattr(host_io, "preadv_full", flaky)
     with clean_state(), pytest.raises(PresetError, match=r"Loading variable '[^']+' .* failed: OSError"):
         load_sharded_preset(gemma_preset, mesh=(2, 4))
     # Every reader thread ended with the load: nothing reads on after it
     # (variables read ahead of the failing one may have finished first).
     assert not [t.name for t in threading.enumerate() if t.name.startswith("keras_hub_dist-")]
-    assert len(calls) >= 6
+    assert len(flaky.calls) >= 6
 
 
 def test_unknown_or_unavailable_task(gemma_preset, clean_state):

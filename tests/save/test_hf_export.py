@@ -8,13 +8,12 @@ errors. (Transformers itself reads them in test_hf_transformers.py.)"""
 import functools
 import json
 import os
-import shutil
 
 import keras
 import keras_hub
 import numpy as np
 import pytest
-from conftest import MESH_SHAPES
+from conftest import MESH_SHAPES, failing_on_call
 from safetensors.numpy import load_file
 
 from keras_hub_dist import PresetError, SaveError, load_sharded_preset, save_sharded_preset
@@ -230,16 +229,7 @@ def test_failed_write_publishes_nothing(root, tmp_path, monkeypatch):
     target.mkdir()
     (target / "keep").write_text("old")
     model = load_sharded_preset(_hf_dir(root, "qwen3"), mesh=(1, 8), progress=False)
-    calls = []
-    real = os.pwritev
-
-    def failing(fd, buffers, offset):
-        calls.append(offset)
-        if len(calls) == 3:
-            raise OSError(28, "No space left on device")
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "pwritev", failing)
+    monkeypatch.setattr(os, "pwritev", failing_on_call(os.pwritev, 3, OSError(28, "No space left on device")))
     with pytest.raises(SaveError, match="Writing the weights failed.*No space left"):
         save_sharded_preset(model, str(target), format="huggingface", overwrite=True, progress=False)
     monkeypatch.undo()

@@ -14,7 +14,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-from conftest import MESH_SHAPES
+from conftest import MESH_SHAPES, failing_on_call
 
 from keras_hub_dist import _compat
 from keras_hub_dist import PresetError, SaveError, load_sharded_preset, save_sharded_preset
@@ -240,16 +240,7 @@ def test_failed_write_leaves_the_target_untouched(presets, tmp_path, monkeypatch
     shutil.copytree(presets["qwen"], target)
     before = {n: (target / n).read_bytes() for n in os.listdir(target) if (target / n).is_file()}
     model = load_sharded_preset(presets["gemma"], mesh=(1, 8), progress=False)
-    calls = []
-    real = os.pwritev
-
-    def failing(fd, buffers, offset):
-        calls.append(offset)
-        if len(calls) == 5:
-            raise OSError(28, "No space left on device")
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "pwritev", failing)
+    monkeypatch.setattr(os, "pwritev", failing_on_call(os.pwritev, 5, OSError(28, "No space left on device")))
     with pytest.raises(SaveError, match=r"Writing the weights failed.*writing '.*' \(dataset .*No space left"):
         save_sharded_preset(model, str(target), overwrite=True)
     monkeypatch.undo()
