@@ -11,12 +11,16 @@ as what these reads and writes take; `formats.base` re-exports them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import gc
 import io
 import math
 import mmap
 import os
-from collections.abc import Callable, Iterator, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +29,7 @@ import numpy as np
 from keras_hub_dist.errors import PresetError
 
 __all__ = [
+    "BufferPool",
     "BufferedReader",
     "ByteRuns",
     "FileDescriptors",
@@ -35,6 +40,7 @@ __all__ = [
     "MAX_READ",
     "aligned_empty",
     "byte_runs",
+    "collector_paused",
     "contiguous_groups",
     "preadv_full",
     "pwritev_full",
@@ -51,6 +57,27 @@ IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024
 # Buffers from this size on get their own huge-page-backed anonymous mapping.
 _HUGE_PAGE_MIN_BYTES = 4 << 20
 _HAS_MADVISE_HUGEPAGE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, as it was after.
+
+    A load, save or conversion allocates a few small objects per block
+    (futures, memoryviews, index tuples) while the built model holds ~500k
+    tracked objects, so CPython runs a full collection every few hundred
+    blocks, each a walk of all of them with the GIL held: 14-19 full
+    collections, ~3 s of a full-size Gemma-7B load in which no other thread
+    of ours could run (`gc.callbacks`, BENCHMARKS.md). Nothing these loops
+    allocate forms reference cycles, so no garbage waits on the collector.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 # `((start, stop), ...)`: one half-open range per dimension of a variable.
@@ -154,6 +181,84 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
     start = (-raw.ctypes.data) % _ALIGNMENT
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+class BufferPool:
+    """Large host buffers given back once nothing reads them, handed out
+    again for the next read of the same size.
+
+    Fresh anonymous memory is zeroed by the kernel page by page as it is
+    first written: on a full-size Gemma-7B load that zeroing was the largest
+    single cost (23% of the CPU samples, `perf`), paid once for the read
+    buffers and again for whatever they become. A buffer whose values were
+    consumed (a kernel block transposed on its device, a block cast to
+    another dtype) can take the next read of its size instead, with its pages
+    already mapped. The pool keeps a buffer only while a read of that size is
+    still expected (`sizes`, from the plan) and at most `max_bytes` in all,
+    so it never holds memory nothing will reuse; and only buffers it handed
+    out itself, so an array some reader still caches is never refilled.
+
+    Args:
+        sizes: The byte sizes of the buffers the work will ask for, one entry
+            per buffer.
+        max_bytes: The most bytes the pool holds.
+    """
+
+    def __init__(self, sizes: Iterable[int] = (), max_bytes: int = 1 << 30) -> None:
+        self._wanted = collections.Counter(n for n in sizes if n >= _HUGE_PAGE_MIN_BYTES)
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._bytes = 0
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._handed_out: weakref.WeakSet = weakref.WeakSet()
+        self.reused_bytes = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """`aligned_empty(shape, dtype)`, from a given-back buffer if one fits."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            if self._wanted[nbytes] > 0:
+                self._wanted[nbytes] -= 1
+            free = self._free.get(nbytes)
+            if free:
+                self._bytes -= nbytes
+                self.reused_bytes += nbytes
+                return free.pop().view(dtype).reshape(shape)
+        array = aligned_empty(shape, dtype)
+        if nbytes >= _HUGE_PAGE_MIN_BYTES and isinstance(_memory_of(array), mmap.mmap):
+            with self._lock:
+                self._handed_out.add(_memory_of(array))
+        return array
+
+    def give(self, array: np.ndarray) -> None:
+        """Takes back `array`, which nothing may read or write any more."""
+        nbytes = array.nbytes
+        if nbytes < _HUGE_PAGE_MIN_BYTES or not array.flags.c_contiguous:
+            return
+        memory = _memory_of(array)
+        if not isinstance(memory, mmap.mmap):
+            return
+        with self._lock:
+            if memory not in self._handed_out or nbytes != len(memory):
+                return
+            free = self._free.setdefault(nbytes, [])
+            if self._wanted[nbytes] > len(free) and self._bytes + nbytes <= self._max_bytes:
+                free.append(array.reshape(-1).view(np.uint8))
+                self._bytes += nbytes
+
+    def clear(self) -> None:
+        """Drops every buffer held (their memory goes back to the system)."""
+        with self._lock:
+            self._free.clear()
+            self._bytes = 0
+
+
+def _memory_of(array: np.ndarray) -> Any:
+    """The object that owns `array`'s memory (its last base)."""
+    while isinstance(array, np.ndarray) and array.base is not None:
+        array = array.base
+    return array.obj if isinstance(array, memoryview) else array
 
 
 def preadv_full(fd: int, buffers: list[memoryview], offset: int) -> int:

@@ -2,8 +2,10 @@
 
 The thin second phase of loading. For every variable of the plan:
 
-1. each distinct local block is read into a fresh, 64-byte-aligned host
-   buffer that nothing else references: its exact byte runs when the
+1. each distinct local block is read into a 64-byte-aligned host buffer
+   that nothing else references (fresh, or one whose values were consumed:
+   the input of a transpose that has run, see `host_io.BufferPool`): its
+   exact byte runs when the
    checkpoint stores the variable as it is (`preadv` per block, or the
    file's contiguous stretches read into several blocks' buffers at once;
    a remote file always the latter, one range request per stretch, see
@@ -43,10 +45,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import queue
+import math
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +61,7 @@ from keras_hub_dist.formats.base import Index
 from keras_hub_dist.formats import host_io
 from keras_hub_dist.formats.host_io import aligned_empty
 from keras_hub_dist.load.block_plan import Block, LoadPlan, Round, VariablePlan
+from keras_hub_dist.load.read_ahead import Prefetch, RoundsAhead
 
 __all__ = ["ExecuteStats", "execute_plan"]
 
@@ -66,13 +69,16 @@ __all__ = ["ExecuteStats", "execute_plan"]
 # in flight stay alive until they finish. Wait once this many bytes are
 # pending, so host memory stays bounded by it.
 _MAX_PENDING_BYTES = 1 << 30
-# Host bytes read ahead of the variable being placed (see `_Prefetch`).
+# Host bytes read ahead of the variable being placed (see `read_ahead.Prefetch`).
 PREFETCH_BYTES = 1 << 30
 # A scattered variable's stretches are read this many bytes at a time (all
 # of a window's requests in flight together for a remote file).
 _SCATTER_WINDOW_BYTES = 256 << 20
 # Exchange rounds read ahead of the round being placed.
 _ROUNDS_AHEAD = 2
+# Transposed variables left to finish before their input buffers are taken
+# back (waiting on the oldest then rarely waits).
+_RETIRING = 2
 
 
 @dataclass
@@ -83,6 +89,7 @@ class ExecuteStats:
     read_calls: int = 0
     blocks: int = 0
     device_copies: int = 0
+    host_bytes_reused: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add_read(self, nbytes: int, calls: int) -> None:
@@ -91,20 +98,21 @@ class ExecuteStats:
             self.read_calls += calls
 
 
-def _cast(host: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def _cast(host: np.ndarray, dtype: np.dtype, buffers: host_io.BufferPool) -> np.ndarray:
     if host.dtype == dtype:
         return host
-    out = aligned_empty(host.shape, dtype)
+    out = buffers.empty(host.shape, dtype)
     out[...] = host
+    buffers.give(host)
     return out
 
 
-def _cut(whole: np.ndarray, box: Index, index: Index, dtype: np.dtype) -> np.ndarray:
+def _cut(whole: np.ndarray, box: Index, index: Index, dtype: np.dtype, buffers: host_io.BufferPool) -> np.ndarray:
     """Block `index` of `whole` (which holds `box`), fresh, in `dtype`."""
     part = whole[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(index, box))]
     if whole.dtype != dtype:
-        return _cast(np.ascontiguousarray(part), dtype)
-    out = aligned_empty(part.shape, dtype)
+        return _cast(np.ascontiguousarray(part), dtype, buffers)
+    out = buffers.empty(part.shape, dtype)
     out[...] = part
     return out
 
@@ -118,13 +126,17 @@ def _is_remote(readers: host_io.Readers, var: VariablePlan) -> bool:
     return not isinstance(_file(readers, var), host_io.LocalFile)
 
 
-def _read_direct(readers: host_io.Readers, var: VariablePlan, block: Block, stats: ExecuteStats) -> np.ndarray:
-    host = aligned_empty(block.read_shape, var.source_dtype)
+def _read_direct(
+    readers: host_io.Readers, var: VariablePlan, block: Block, stats: ExecuteStats, buffers: host_io.BufferPool
+) -> np.ndarray:
+    host = buffers.empty(block.read_shape, var.source_dtype)
     _file(readers, var).read_stretches(host_io.run_stretches(block.runs, host), stats.add_read)
-    return _cast(host, var.target_dtype)
+    return _cast(host, var.target_dtype, buffers)
 
 
-def _read_source(readers: host_io.Readers, var: VariablePlan, block: Block, stats: ExecuteStats) -> np.ndarray:
+def _read_source(
+    readers: host_io.Readers, var: VariablePlan, block: Block, stats: ExecuteStats, buffers: host_io.BufferPool
+) -> np.ndarray:
     source, index = var.read_source, block.read_index or block.index
     host = source.read(index)
     if host.shape != block.read_shape or host.dtype != var.source_dtype:
@@ -134,7 +146,7 @@ def _read_source(readers: host_io.Readers, var: VariablePlan, block: Block, stat
             f"block {index} of {source.description}."
         )
     stats.add_read(source.read_nbytes(index), 1)
-    return _cast(host, var.target_dtype)
+    return _cast(host, var.target_dtype, buffers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,7 +194,9 @@ def _input_sharding(sharding: jax.sharding.Sharding, perm: tuple[int, ...]) -> j
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*moved))
 
 
-def _read_scatter(readers: host_io.Readers, var: VariablePlan, stats: ExecuteStats) -> Iterator[tuple[Block, np.ndarray]]:
+def _read_scatter(
+    readers: host_io.Readers, var: VariablePlan, stats: ExecuteStats, buffers: host_io.BufferPool
+) -> Iterator[tuple[Block, np.ndarray]]:
     """Reads each contiguous stretch of the file into the blocks' buffers
     (iovecs pointing into them: one `preadv`, or one range request, per
     stretch), a window of stretches at a time; yields blocks as they
@@ -203,7 +217,7 @@ def _read_scatter(readers: host_io.Readers, var: VariablePlan, stats: ExecuteSta
         for k in range(i, j):
             b = owners[k]
             if b not in views:
-                hosts[b] = aligned_empty(var.blocks[b].read_shape, var.source_dtype)
+                hosts[b] = buffers.empty(var.blocks[b].read_shape, var.source_dtype)
                 views[b] = memoryview(hosts[b].reshape(-1).view(np.uint8))
             iovecs.append(views[b][targets[k] : targets[k] + lengths[k]])
         window.append((offsets[i], iovecs))
@@ -218,7 +232,7 @@ def _read_scatter(readers: host_io.Readers, var: VariablePlan, stats: ExecuteSta
             left[b] -= 1
             if not left[b]:
                 del views[b]
-                yield var.blocks[b], _cast(hosts.pop(b), var.target_dtype)
+                yield var.blocks[b], _cast(hosts.pop(b), var.target_dtype, buffers)
         window_pieces = []
     for block in var.blocks:  # Blocks of zero bytes.
         if not block.runs.num_runs:
@@ -231,23 +245,24 @@ def _host_blocks(
     stats: ExecuteStats,
     pool: ThreadPoolExecutor | None,
     num_threads: int,
+    buffers: host_io.BufferPool,
 ) -> Iterator[tuple[Block, np.ndarray]]:
     if var.strategy == "scatter" or (var.strategy == "direct" and _is_remote(readers, var)):
         # Remote blocks are fetched as the file's contiguous stretches (one
         # range request each, cut into chunks that run concurrently), not a
         # request per block.
-        yield from _read_scatter(readers, var, stats)
+        yield from _read_scatter(readers, var, stats, buffers)
         return
     if var.strategy == "read_union":
         whole = var.read_source.read(var.union)
         stats.add_read(var.read_source.read_nbytes(var.union), 1)
         for block in var.blocks:
-            yield block, _cut(whole, var.union, block.read_index or block.index, var.target_dtype)
+            yield block, _cut(whole, var.union, block.read_index or block.index, var.target_dtype, buffers)
         return
     read = _read_direct if var.strategy == "direct" else _read_source
     if pool is None or len(var.blocks) < 2:
         for block in var.blocks:
-            yield block, read(readers, var, block, stats)
+            yield block, read(readers, var, block, stats, buffers)
         return
     if var.read_source.stored is not None:
         _file(readers, var)  # opened here, not racing in the threads
@@ -256,7 +271,7 @@ def _host_blocks(
     # window.
     window: collections.deque = collections.deque()
     for block in var.blocks:
-        window.append((block, pool.submit(read, readers, var, block, stats)))
+        window.append((block, pool.submit(read, readers, var, block, stats, buffers)))
         if len(window) > num_threads:
             done_block, future = window.popleft()
             yield done_block, future.result()
@@ -334,127 +349,28 @@ def _exchange(
     return array
 
 
-class _Failed:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
+def _buffer_sizes(plan: LoadPlan) -> Iterator[int]:
+    """The byte size of every host buffer the reads of `plan` ask for."""
+    for var in plan.variables:
+        views = [var] if var.exchange is None else [_round_view(var, r) for r in var.exchange.rounds]
+        for view in views:
+            for block in view.blocks:
+                elements = math.prod(block.read_shape)
+                yield elements * var.source_dtype.itemsize
+                if var.source_dtype != var.target_dtype:
+                    yield elements * var.target_dtype.itemsize
 
 
-class _RoundsAhead:
-    """An exchanged variable's rounds, read on a thread of their own at most
-    `depth` rounds ahead of the one being placed: reading overlaps the
-    rounds' programs, and the variable's host pieces never all exist at once
-    (host memory stays at a few rounds, not the process's whole share)."""
-
-    _END = object()
-
-    def __init__(self, rounds: Iterator[Any], depth: int) -> None:
-        self._queue: queue.Queue = queue.Queue(depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(rounds,), name="keras_hub_dist-rounds", daemon=True)
-        self._thread.start()
-
-    def _run(self, rounds: Iterator[Any]) -> None:
-        try:
-            for item in rounds:
-                if not self._put(item):
-                    return
-        except BaseException as e:  # noqa: BLE001 - raised in the consumer
-            self._put(_Failed(e))
-            return
-        self._put(self._END)
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def __iter__(self) -> Iterator[Any]:
-        while (item := self._queue.get()) is not self._END:
-            if isinstance(item, _Failed):
-                raise item.error
-            yield item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-class _Prefetch:
-    """Reads whole variables ahead on worker threads, in plan order, while
-    the caller places earlier ones: reading, host transforms and device
-    work overlap. At most `max_bytes` of read-but-unplaced host blocks are
-    in flight beyond the variable being placed. Adjacent variables of one
-    read group (`TensorSource.read_group`) are read by one job, one after
-    another: a quantized kernel's scale then reuses the statistics its
-    values kept instead of reading the kernel again on a second thread."""
-
-    def __init__(self, variables: Sequence[VariablePlan], produce: Callable[[VariablePlan], list], workers: int, max_bytes: int) -> None:
-        self._variables = list(variables)
-        self._produce = produce
-        self._pool = ThreadPoolExecutor(max(1, workers), "keras_hub_dist-prefetch")
-        self._max_bytes = max_bytes
-        self._futures: collections.deque = collections.deque()
-        self._next = 0
-        self._in_flight = 0
-        self.stopped = threading.Event()
-
-    def _group(self, start: int) -> list[VariablePlan]:
-        group = [self._variables[start]]
-        key = group[0].source.read_group
-        while (
-            key is not None
-            and start + len(group) < len(self._variables)
-            and self._variables[start + len(group)].source.read_group is key
-        ):
-            group.append(self._variables[start + len(group)])
-        return group
-
-    def _fill(self) -> None:
-        while self._next < len(self._variables) and (
-            not self._futures or self._in_flight + self._variables[self._next].read_bytes <= self._max_bytes
-        ):
-            group = self._group(self._next)
-            futures = [Future() for _ in group]
-            self._pool.submit(self._run, group, futures)
-            for var, future in zip(group, futures):
-                self._futures.append((var, future))
-                self._in_flight += var.read_bytes
-            self._next += len(group)
-
-    def __iter__(self) -> Iterator[tuple[VariablePlan, Any]]:
-        self._fill()
-        while self._futures:
-            var, future = self._futures.popleft()
-            self._in_flight -= var.read_bytes
-            self._fill()
-            yield var, future
-
-    def _run(self, group: Sequence[VariablePlan], futures: Sequence[Future]) -> None:
-        for i, (var, future) in enumerate(zip(group, futures)):
-            if not future.set_running_or_notify_cancel():
-                return  # closed: the rest were cancelled too
-            try:
-                # A failed load stops here: no variable starts reading after it.
-                if self.stopped.is_set():
-                    raise PresetError("the load stopped")
-                future.set_result(self._produce(var))
-            except BaseException as e:  # noqa: BLE001 - the caller re-raises it
-                future.set_exception(e)
-                for later in futures[i + 1 :]:
-                    if later.set_running_or_notify_cancel():
-                        later.set_exception(PresetError("the load stopped"))
-                return
-
-    def close(self) -> None:
-        self.stopped.set()
-        for _, future in self._futures:
-            future.cancel()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._futures.clear()
+def _retire(retiring: collections.deque, buffers: host_io.BufferPool, keep: int) -> None:
+    """Gives back the input buffers of all but the last `keep` transposes,
+    each once its output is computed (then nothing reads its input)."""
+    while len(retiring) > keep:
+        array, inputs = retiring.popleft()
+        if array.is_deleted():  # no way to wait for it: leave its inputs be
+            continue
+        array.block_until_ready()
+        for host in inputs:
+            buffers.give(host)
 
 
 def execute_plan(
@@ -503,21 +419,25 @@ def execute_plan(
     created: list[jax.Array] = []
     reported = 0
     placer = _Placer(devices, stats)
+    buffers = host_io.BufferPool(_buffer_sizes(plan))
+    # Transposed variables whose input buffers go back to `buffers` once
+    # their transposes have run.
+    retiring: collections.deque[tuple[jax.Array, list[np.ndarray]]] = collections.deque()
     pool = ThreadPoolExecutor(num_threads, "keras_hub_dist-read") if num_threads > 1 else None
 
-    rounds_ahead: list[_RoundsAhead] = []
+    rounds_ahead: list[RoundsAhead] = []
 
     def produce(var: VariablePlan) -> Any:
         if var.exchange is None:
-            return list(_host_blocks(readers, var, stats, pool, num_threads))
-        rounds = _RoundsAhead(
-            ((r, list(_host_blocks(readers, _round_view(var, r), stats, pool, num_threads))) for r in var.exchange.rounds),
+            return list(_host_blocks(readers, var, stats, pool, num_threads, buffers))
+        rounds = RoundsAhead(
+            ((r, list(_host_blocks(readers, _round_view(var, r), stats, pool, num_threads, buffers))) for r in var.exchange.rounds),
             _ROUNDS_AHEAD,
         )
         rounds_ahead.append(rounds)
         return rounds
 
-    prefetch = _Prefetch(plan.variables, produce, prefetch_threads or num_threads, prefetch_bytes)
+    prefetch = Prefetch(plan.variables, produce, prefetch_threads or num_threads, prefetch_bytes)
     try:
         for var, future in prefetch:
             try:
@@ -525,7 +445,9 @@ def execute_plan(
                 if var.device_perm is not None:
                     read_sharding = _input_sharding(read_sharding, var.device_perm)
                 if var.exchange is None:
-                    per_device = placer.place_all(future.result())
+                    host_blocks = future.result()
+                    inputs = [host for _, host in host_blocks] if var.device_perm is not None else []
+                    per_device = placer.place_all(host_blocks)
                     array = jax.make_array_from_single_device_arrays(
                         var.read_source.shape, read_sharding, per_device
                     )
@@ -539,6 +461,9 @@ def execute_plan(
                     untransposed = array
                     array = _transposer(var.device_perm, shardings[var.path])(untransposed)
                     untransposed.delete()
+                    if var.exchange is None:
+                        retiring.append((array, inputs))
+                        _retire(retiring, buffers, keep=_RETIRING)
                 created.append(array)
                 on_variable(var, array)
             except PresetError as e:
@@ -563,6 +488,9 @@ def execute_plan(
         raise
     finally:
         prefetch.close()
+        retiring.clear()
+        stats.host_bytes_reused = buffers.reused_bytes
+        buffers.clear()
         for rounds in rounds_ahead:
             rounds.close()
         if pool is not None:

@@ -54,7 +54,7 @@ import keras
 
 from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
-from keras_hub_dist.formats import checksums
+from keras_hub_dist.formats import checksums, host_io
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.locations import Location, is_remote, open_location
@@ -203,7 +203,7 @@ def load_sharded_preset(
         dict(task_kwargs or {}), num_threads, verify, concurrency,
         None if cache_dir is None else os.fspath(cache_dir), quantize,
     )
-    with sampler:
+    with sampler, host_io.collector_paused():
         model, plan, stats, index, label = _load(preset, options)
     wall = time.perf_counter() - start
     if not memory_report:
@@ -230,6 +230,7 @@ def load_sharded_preset(
         host_rss_final=sampler.host_final_rss,
         format=index.format,
         fallbacks=tuple(r for e in index.entries for r in fallbacks(e.source)),
+        host_bytes_reused=stats.host_bytes_reused,
     )
     return model, report
 

@@ -31,6 +31,10 @@ class LoadReport:
             block, so their whole tensor was converted on the host (one
             tensor at a time), with the reason; empty for every family
             keras_hub_dist is tested with.
+        host_bytes_reused: Bytes of host read buffers that were buffers of
+            earlier blocks whose values had been consumed (transposed on
+            their devices, or cast), taken again instead of fresh memory
+            (`formats.host_io.BufferPool`).
     """
 
     preset: str
@@ -48,6 +52,7 @@ class LoadReport:
     host_rss_final: int
     format: str = "keras_h5"
     fallbacks: tuple[str, ...] = ()
+    host_bytes_reused: int = 0
 
     @property
     def peak_over_final(self) -> float:

@@ -13,7 +13,15 @@ most `CHUNK_BYTES`, whatever the block.
 The copy runs in tiles of `TILE` outermost x innermost indices: a
 transposed view read element by element walks memory with a large stride,
 and tiles keep both sides in cache (about 3x faster than one `copyto` on
-this machine, see BENCHMARKS.md).
+this machine, see BENCHMARKS.md). A writer given a `transpose_device` (the
+converter's, a CPU device) instead has XLA rearrange a view that is a pure
+permutation of a contiguous array: slab by slab of `XLA_SLAB_BYTES` of the
+array's leading axis, each slab's result copied into one reused host buffer
+(contiguous runs) that is then written. A conversion transposes nearly
+every kernel byte, and for a bfloat16 tile (`/tmp` microbenchmark, one
+64 MiB tile of a Gemma-7B kernel) NumPy's size-2 strided copy rearranges
+~0.8 GB per CPU-second, XLA on the whole tile ~1.1-1.4 (its 64 MiB output
+is fresh memory each time) and XLA slab by slab ~2.1.
 
 Example:
 
@@ -25,10 +33,14 @@ writer.write(block_values, [("model-00001-of-00001.safetensors", write, np.float
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from keras_hub_dist.formats import host_io
@@ -41,6 +53,11 @@ __all__ = ["CHUNK_BYTES", "PieceWriter", "PieceWriteStats"]
 CHUNK_BYTES = 16 << 20
 # (outermost, innermost) indices per tile of a copy.
 TILE = (256, 256)
+# Views from this size on are rearranged by XLA when the writer has a
+# `transpose_device` (below it, a program's dispatch costs more than it saves),
+# in slabs of this many bytes.
+XLA_TRANSPOSE_MIN_BYTES = 1 << 20
+XLA_SLAB_BYTES = 8 << 20
 
 
 @dataclass
@@ -63,6 +80,25 @@ def _tiled_copy(out: np.ndarray, values: np.ndarray) -> None:
             np.copyto(out[i : i + rows, ..., j : j + cols], values[i : i + rows, ..., j : j + cols], casting="unsafe")
 
 
+def permuted(values: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """`(base, perm)` with `values == base.transpose(perm)` and `base`
+    C-contiguous (a view of the same memory), or None if `values` is not a
+    permutation of a contiguous array (a slice of one, say)."""
+    order = sorted(range(values.ndim), key=lambda d: -values.strides[d])
+    base = np.lib.stride_tricks.as_strided(
+        values, tuple(values.shape[d] for d in order), tuple(values.strides[d] for d in order), writeable=False
+    )
+    if not base.flags.c_contiguous:
+        return None
+    return base, tuple(int(k) for k in np.argsort(order))
+
+
+@functools.lru_cache(maxsize=None)
+def _transposer(perm: tuple[int, ...]) -> Callable[[jax.Array], jax.Array]:
+    """Runs on the device its input was put on."""
+    return jax.jit(functools.partial(jnp.transpose, axes=perm))
+
+
 class PieceWriter:
     """Writes blocks through their `BlockWrite`s, reusing one host buffer.
 
@@ -71,6 +107,8 @@ class PieceWriter:
         chunk_bytes: Size of the host buffer copies go through.
         on_written: Told of the byte runs of each file as they are written
             (`formats.checksums.HashingAsWritten.written`).
+        transpose_device: A CPU `jax.Device` on which XLA rearranges views
+            that are permutations of contiguous arrays; None: NumPy copies.
     """
 
     def __init__(
@@ -78,10 +116,13 @@ class PieceWriter:
         files: host_io.FileDescriptors,
         chunk_bytes: int = CHUNK_BYTES,
         on_written: Callable[[str, ByteRuns], None] | None = None,
+        transpose_device: Any = None,
     ) -> None:
         self.files = files
         self.chunk_bytes = chunk_bytes
         self.on_written = on_written
+        self.transpose_device = transpose_device
+        self._arranged: np.ndarray | None = None
         self.stats = PieceWriteStats()
         self._buffer: np.ndarray | None = None
 
@@ -102,6 +143,8 @@ class PieceWriter:
                 if self.on_written is not None:
                     self.on_written(path, runs)
                 continue
+            if self._write_transposed(fd, path, write, values, dtype):
+                continue
             if values.ndim == 0:
                 values = values.reshape(1)
             row = math.prod(values.shape[1:]) * np.dtype(dtype).itemsize
@@ -120,3 +163,31 @@ class PieceWriter:
                 self.stats.bytes_copied += out.nbytes
                 if self.on_written is not None:
                     self.on_written(path, runs)
+
+    def _write_transposed(self, fd: int, path: str, write: BlockWrite, values: np.ndarray, dtype: np.dtype) -> bool:
+        """Writes `values` rearranged by XLA, if this writer can; whether it did."""
+        if self.transpose_device is None or values.dtype != dtype or values.nbytes < XLA_TRANSPOSE_MIN_BYTES:
+            return False
+        arranged = permuted(values)
+        if arranged is None:
+            return False
+        base, perm = arranged
+        if self._arranged is None or self._arranged.nbytes < values.nbytes:
+            self._arranged = host_io.aligned_empty((values.nbytes,), np.uint8)
+        out = self._arranged[: values.nbytes].view(dtype).reshape(values.shape)
+        axis = perm.index(0)  # where the base's leading axis lands
+        step = max(1, XLA_SLAB_BYTES // max(base[:1].nbytes, 1))
+        transpose = _transposer(perm)
+        for first in range(0, base.shape[0], step):
+            slab = transpose(jax.device_put(base[first : first + step], self.transpose_device))
+            index = [slice(None)] * values.ndim
+            index[axis] = slice(first, first + step)
+            np.copyto(out[tuple(index)], np.asarray(slab))  # runs of the slab's rows
+            slab.delete()
+        runs = write.runs()
+        self.stats.write_calls += host_io.write_runs(fd, runs, out)
+        self.stats.bytes_written += out.nbytes
+        self.stats.bytes_copied += out.nbytes
+        if self.on_written is not None:
+            self.on_written(path, runs)
+        return True

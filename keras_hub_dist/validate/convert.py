@@ -9,12 +9,13 @@ values, to plan: the source is indexed as for a load (`formats.keras_h5` /
 (`formats.keras_h5_writer` / `save.hf_mapping` + `formats.safetensors_writer`),
 and the two are joined by affine pieces (`formats.pieces`): each tile of a
 source tensor is read (`preadv` of its byte runs), goes through the
-transform (transposes and casts through one 16 MiB buffer,
-`save.piece_write`) and is written at its offsets in the target file. A
-tile is at most `TILE_BYTES`; `num_threads` workers each convert one tile
-at a time into their own reused buffers (one reads while another
-transposes), so host memory is bounded by `num_threads x (64 + 16) MiB`
-plus the plan, whatever the model's size (`BENCHMARKS.md`). A value that is not
+transform (`save.piece_write`: a transpose as one XLA program on a CPU
+device, one tile at a time; casts through one 16 MiB buffer) and is written
+at its offsets in the target file. A tile is at most `TILE_BYTES`;
+`num_threads` workers each convert one tile at a time into their own reused
+buffers (one reads while another transposes), so host memory is bounded by
+`num_threads x (2 x 256 + 24) MiB` (tile, transposed tile, cast buffer and
+one XLA slab) plus the plan, whatever the model's size (`BENCHMARKS.md`). A value that is not
 a pure rearrangement of stored tensors (gpt-oss's MXFP4 experts) is
 converted tile by tile in the variable's own layout instead.
 
@@ -47,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
 
 from keras_hub_dist import _compat
@@ -68,8 +70,12 @@ from keras_hub_dist.save.piece_write import PieceWriter
 
 __all__ = ["TILE_BYTES", "ConvertStats", "convert_checkpoint", "tiles"]
 
-# The most bytes of a source tensor read at once.
-TILE_BYTES = 64 << 20
+# The most bytes of a source tensor read at once. Larger tiles mean longer
+# byte runs on the transposed side (fewer positioned writes or reads):
+# converting the full-size Gemma-7B to a KerasHub preset took 40.9 CPU-s
+# with 128 MiB tiles, 35.3 with 256 MiB (BENCHMARKS.md), where every kernel
+# fits one tile.
+TILE_BYTES = 256 << 20
 TARGETS = ("keras", "huggingface")
 
 
@@ -139,7 +145,10 @@ class _Worker:
 
     def __init__(self, on_written: Callable[[str, Any], None] | None) -> None:
         self.reads = host_io.Readers()
-        self.writer = PieceWriter(host_io.FileDescriptors(os.O_WRONLY), on_written=on_written)
+        self.writer = PieceWriter(
+            host_io.FileDescriptors(os.O_WRONLY), on_written=on_written,
+            transpose_device=jax.local_devices(backend="cpu")[0],
+        )
         self.buffer = host_io.aligned_empty((TILE_BYTES,), np.uint8)
         self.bytes_read = 0
         self.tiles = 0
@@ -282,7 +291,7 @@ def convert_checkpoint(
     resolved = resolve_source(source)
     client = RangeClient() if is_remote(resolved.ref) else None
     try:
-        with open_location(resolved.ref, resolved.label, client=client) as location:
+        with open_location(resolved.ref, resolved.label, client=client) as location, host_io.collector_paused():
             return _convert(
                 location, resolved.label, os.path.abspath(os.fspath(target)), to, dtype, wanted_dtype,
                 task, overwrite, progress, max_shard_size, num_threads,

@@ -5,6 +5,7 @@ Equality with stock KerasHub for every family is in
 test_huggingface_families.py; this file uses one tiny Llama.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -63,19 +64,32 @@ def test_each_device_reads_only_its_block_and_memory_stays_at_the_floor(llama_di
     assert "model" in q.value.sharding.spec  # sharded, not replicated
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
-def test_large_transposes_run_on_the_device_bitwise_equal(llama_dir, mesh_shape, monkeypatch):
-    from keras_hub_dist.load import block_plan, execute
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
+def test_large_transposes_run_on_the_device_bitwise_equal(llama_dir, mesh_shape, dtype, monkeypatch):
+    from keras_hub_dist.formats import host_io
+    from keras_hub_dist.load import block_plan, execute, loader
 
     monkeypatch.setattr(block_plan, "DEVICE_TRANSPOSE_MIN_BYTES", 0)  # every block
+    # Every host buffer is one the pool may take back once its values are
+    # consumed (by a transpose, or by a cast to bfloat16) and hand out again;
+    # one variable read ahead, and each transpose's inputs taken back as soon
+    # as it has run, so the tiny model's later reads find them.
+    monkeypatch.setattr(host_io, "_HUGE_PAGE_MIN_BYTES", 1)
+    monkeypatch.setattr(execute, "_RETIRING", 0)
+    monkeypatch.setattr(loader, "execute_plan", functools.partial(execute.execute_plan, prefetch_bytes=1))
     calls = []
     transposer = execute._transposer
     monkeypatch.setattr(
         execute, "_transposer", lambda perm, sharding: calls.append(perm) or transposer(perm, sharding)
     )
-    reference = keras_hub.models.Backbone.from_preset(llama_dir)
-    model, report = load_sharded_preset(llama_dir, mesh=mesh_shape, memory_report=True, progress=False)
+    reference = keras_hub.models.Backbone.from_preset(llama_dir, dtype=dtype)
+    model, report = load_sharded_preset(
+        llama_dir, mesh=mesh_shape, dtype=dtype, memory_report=True, progress=False
+    )
     assert calls and report.bytes_read == report.file_bytes
+    # The second block's kernels were read into the first one's buffers.
+    assert report.host_bytes_reused > 0
     for ref, var in zip(reference.weights, model.weights):
         assert _bitwise_equal(ref.value, var.value), ref.path
 

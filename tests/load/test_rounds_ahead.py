@@ -1,9 +1,9 @@
-"""`execute._RoundsAhead`: an exchanged variable's rounds are read on their
+"""`read_ahead.RoundsAhead`: an exchanged variable's rounds are read on their
 own thread, a bounded number ahead of the round being placed."""
 
 import pytest
 
-from keras_hub_dist.load.execute import _RoundsAhead
+from keras_hub_dist.load.read_ahead import RoundsAhead
 
 
 def _counted(n, made, fail_at=None):
@@ -16,7 +16,7 @@ def _counted(n, made, fail_at=None):
 
 def test_rounds_are_read_a_bounded_number_ahead():
     made, depth = [], 2
-    stream = _RoundsAhead(_counted(20, made), depth)
+    stream = RoundsAhead(_counted(20, made), depth)
     seen = []
     for item in stream:
         # At the moment round `item` is taken: `depth` more may wait in the
@@ -29,7 +29,7 @@ def test_rounds_are_read_a_bounded_number_ahead():
 
 def test_a_failed_round_is_raised_to_the_consumer_after_the_good_ones():
     made = []
-    stream = _RoundsAhead(_counted(10, made, fail_at=3), 2)
+    stream = RoundsAhead(_counted(10, made, fail_at=3), 2)
     seen = []
     with pytest.raises(OSError, match="round 3 failed"):
         for item in stream:
@@ -40,7 +40,7 @@ def test_a_failed_round_is_raised_to_the_consumer_after_the_good_ones():
 
 def test_closing_stops_the_reading():
     made, depth = [], 2
-    stream = _RoundsAhead(_counted(1000, made), depth)
+    stream = RoundsAhead(_counted(1000, made), depth)
     first = next(iter(stream))
     stream.close()
     assert first == 0
