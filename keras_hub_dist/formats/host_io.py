@@ -63,7 +63,7 @@ _HAS_MADVISE_HUGEPAGE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_AN
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the block, as it was after.
 
-    A load, save or conversion allocates a few small objects per block
+    A load or a conversion allocates a few small objects per block
     (futures, memoryviews, index tuples) while the built model holds ~500k
     tracked objects, so CPython runs a full collection every few hundred
     blocks, each a walk of all of them with the GIL held: 14-19 full

@@ -18,10 +18,10 @@ converter's, a CPU device) instead has XLA rearrange a view that is a pure
 permutation of a contiguous array: slab by slab of `XLA_SLAB_BYTES` of the
 array's leading axis, each slab's result copied into one reused host buffer
 (contiguous runs) that is then written. A conversion transposes nearly
-every kernel byte, and for a bfloat16 tile (`/tmp` microbenchmark, one
-64 MiB tile of a Gemma-7B kernel) NumPy's size-2 strided copy rearranges
-~0.8 GB per CPU-second, XLA on the whole tile ~1.1-1.4 (its 64 MiB output
-is fresh memory each time) and XLA slab by slab ~2.1.
+every kernel byte, and for one 64 MiB bfloat16 tile of a Gemma-7B kernel
+(`benchmarks/bench_transpose.py`, BENCHMARKS.md) NumPy's size-2 strided
+copy rearranges 0.81 GB per CPU-second, XLA on the whole tile 1.03 (its
+64 MiB output is fresh memory each time) and XLA slab by slab 2.40.
 
 Example:
 

@@ -9,15 +9,16 @@ values, to plan: the source is indexed as for a load (`formats.keras_h5` /
 (`formats.keras_h5_writer` / `save.hf_mapping` + `formats.safetensors_writer`),
 and the two are joined by affine pieces (`formats.pieces`): each tile of a
 source tensor is read (`preadv` of its byte runs), goes through the
-transform (`save.piece_write`: a transpose as one XLA program on a CPU
-device, one tile at a time; casts through one 16 MiB buffer) and is written
-at its offsets in the target file. A tile is at most `TILE_BYTES`;
-`num_threads` workers each convert one tile at a time into their own reused
-buffers (one reads while another transposes), so host memory is bounded by
-`num_threads x (2 x 256 + 24) MiB` (tile, transposed tile, cast buffer and
-one XLA slab) plus the plan, whatever the model's size (`BENCHMARKS.md`). A value that is not
-a pure rearrangement of stored tensors (gpt-oss's MXFP4 experts) is
-converted tile by tile in the variable's own layout instead.
+transform (`save.piece_write`: transposes as XLA programs on a CPU device,
+8 MiB slab by slab, into a reused buffer; casts through one 16 MiB buffer)
+and is written at its offsets in the target file. A tile is at most
+`TILE_BYTES`; `num_threads` workers each convert one tile at a time into
+their own reused buffers (one reads while another transposes), so host
+memory is bounded by `num_threads x (2 x 256 + 24) MiB` (tile, transposed
+tile, cast buffer and one XLA slab) plus the plan, whatever the model's size
+(`BENCHMARKS.md`). A value that is not a pure rearrangement of stored
+tensors (gpt-oss's MXFP4 experts) is converted tile by tile in the
+variable's own layout instead.
 
 Same crash safety as `save_sharded_preset` (`save.staging`): written into
 `.<name>.partial-<token>` beside the target, with its owner record,

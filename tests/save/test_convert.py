@@ -40,9 +40,8 @@ def sources(tmp_path_factory):
 def xla_transposes(monkeypatch):
     """Every transposed view the converter writes goes through XLA, in
     several slabs (the tiny tiles here are under the sizes it starts and
-    splits at); the reference save's go
-    through NumPy, so the two paths are checked against each other. Yields
-    the list of permutations run."""
+    splits at); the reference save's go through NumPy, so the two paths are
+    checked against each other. Returns the list of permutations run."""
     from keras_hub_dist.save import piece_write
 
     monkeypatch.setattr(piece_write, "XLA_TRANSPOSE_MIN_BYTES", 0)
