@@ -73,7 +73,7 @@ __all__ = ["TILE_BYTES", "ConvertStats", "convert_checkpoint", "tiles"]
 
 # The most bytes of a source tensor read at once. Larger tiles mean longer
 # byte runs on the transposed side (fewer positioned writes or reads):
-# converting the full-size Gemma-7B to a KerasHub preset took 40.9 CPU-s
+# converting the full-size Gemma-7B to a KerasHub preset took 40.9-46.2 CPU-s
 # with 128 MiB tiles, 35.3 with 256 MiB (BENCHMARKS.md), where every kernel
 # fits one tile.
 TILE_BYTES = 256 << 20
