@@ -226,9 +226,10 @@ class BufferPool:
                 self.reused_bytes += nbytes
                 return free.pop().view(dtype).reshape(shape)
         array = aligned_empty(shape, dtype)
-        if nbytes >= _HUGE_PAGE_MIN_BYTES and isinstance(_memory_of(array), mmap.mmap):
+        memory = _memory_of(array)
+        if isinstance(memory, mmap.mmap):  # only buffers of _HUGE_PAGE_MIN_BYTES and up
             with self._lock:
-                self._handed_out.add(_memory_of(array))
+                self._handed_out.add(memory)
         return array
 
     def give(self, array: np.ndarray) -> None:

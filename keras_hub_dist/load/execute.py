@@ -444,9 +444,12 @@ def execute_plan(
                 read_sharding = shardings[var.path]
                 if var.device_perm is not None:
                     read_sharding = _input_sharding(read_sharding, var.device_perm)
+                # Host buffers a transpose consumes, given back once it ran.
+                inputs: list[np.ndarray] = []
                 if var.exchange is None:
                     host_blocks = future.result()
-                    inputs = [host for _, host in host_blocks] if var.device_perm is not None else []
+                    if var.device_perm is not None:
+                        inputs = [host for _, host in host_blocks]
                     per_device = placer.place_all(host_blocks)
                     array = jax.make_array_from_single_device_arrays(
                         var.read_source.shape, read_sharding, per_device
@@ -461,7 +464,7 @@ def execute_plan(
                     untransposed = array
                     array = _transposer(var.device_perm, shardings[var.path])(untransposed)
                     untransposed.delete()
-                    if var.exchange is None:
+                    if inputs:
                         retiring.append((array, inputs))
                         _retire(retiring, buffers, keep=_RETIRING)
                 created.append(array)

@@ -137,11 +137,7 @@ class PieceWriter:
             fd = self.files(path)
             values = write.values(block)
             if values.dtype == dtype and values.flags.c_contiguous:
-                runs = write.runs()
-                self.stats.write_calls += host_io.write_runs(fd, runs, values)
-                self.stats.bytes_written += write.nbytes
-                if self.on_written is not None:
-                    self.on_written(path, runs)
+                self._put(fd, path, write.runs(), values, copied=False)
                 continue
             if self._write_transposed(fd, path, write, values, dtype):
                 continue
@@ -157,12 +153,16 @@ class PieceWriter:
                 else:
                     out = self._chunk(row * (stop - first)).view(dtype).reshape(part.shape)
                 _tiled_copy(out, part)
-                runs = write.runs(first, stop) if write.shape else write.runs()
-                self.stats.write_calls += host_io.write_runs(fd, runs, out)
-                self.stats.bytes_written += out.nbytes
-                self.stats.bytes_copied += out.nbytes
-                if self.on_written is not None:
-                    self.on_written(path, runs)
+                self._put(fd, path, write.runs(first, stop) if write.shape else write.runs(), out, copied=True)
+
+    def _put(self, fd: int, path: str, runs: ByteRuns, values: np.ndarray, copied: bool) -> None:
+        """Writes contiguous `values` at `runs` of `path`, counted and told."""
+        self.stats.write_calls += host_io.write_runs(fd, runs, values)
+        self.stats.bytes_written += values.nbytes
+        if copied:
+            self.stats.bytes_copied += values.nbytes
+        if self.on_written is not None:
+            self.on_written(path, runs)
 
     def _write_transposed(self, fd: int, path: str, write: BlockWrite, values: np.ndarray, dtype: np.dtype) -> bool:
         """Writes `values` rearranged by XLA, if this writer can; whether it did."""
@@ -184,10 +184,5 @@ class PieceWriter:
             index[axis] = slice(first, first + step)
             np.copyto(out[tuple(index)], np.asarray(slab))  # runs of the slab's rows
             slab.delete()
-        runs = write.runs()
-        self.stats.write_calls += host_io.write_runs(fd, runs, out)
-        self.stats.bytes_written += out.nbytes
-        self.stats.bytes_copied += out.nbytes
-        if self.on_written is not None:
-            self.on_written(path, runs)
+        self._put(fd, path, write.runs(), out, copied=True)
         return True
