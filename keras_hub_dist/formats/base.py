@@ -127,9 +127,11 @@ class StoredTensor:
         """The file byte runs of block `index`, in the block's C order."""
         return byte_runs(self.shape, self.dtype.itemsize, index, self.offset)
 
-    def read(self, index: Index) -> np.ndarray:
-        """Block `index` in fresh, aligned memory (one read per run)."""
-        out = host_io.aligned_empty(tuple(b - a for a, b in index), self.dtype)
+    def read(self, index: Index, out: np.ndarray | None = None) -> np.ndarray:
+        """Block `index` in fresh, aligned memory (one read per run), or in
+        `out` (C-contiguous, the block's shape and dtype)."""
+        if out is None:
+            out = host_io.aligned_empty(tuple(b - a for a, b in index), self.dtype)
         file = self.opened if self.opened is not None else host_io.LocalFile(self.file)
         try:
             file.read_stretches(host_io.run_stretches(self.block_runs(index), out))

@@ -35,6 +35,7 @@ quantizer.scale_source().read(((0, 32),))            # its scale block
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -60,17 +61,25 @@ from keras_hub_dist.plan.quantization import (
 )
 
 __all__ = [
+    "READ_BYTES",
     "SLAB_BYTES",
+    "SlabBuffers",
     "TensorQuantizer",
     "combine_statistics",
     "group_index_source",
     "sharding_blocks",
 ]
 
-# A block is read and quantized in slabs of about this many float bytes, so
-# the host holds a few slabs of temporaries per reader thread, not the block.
-SLAB_BYTES = 16 << 20
-# Slabs of one block computed at once (the loader's reader threads each run
+# A block is read in units of about this many bytes and each unit quantized
+# in slabs of about `SLAB_BYTES` (both counted in the dtype it is computed
+# in), so the host holds one unit and a few slabs per reader thread, not
+# the block. Units are cut along a kept axis, most often columns: a narrow
+# strip of a row-major tensor is one file read (and its Python) per row,
+# and 4 MiB units made an int8 load 4x slower than 64 MiB ones (Gemma-7B
+# width, `benchmarks/bench_quantize.py`).
+READ_BYTES = 64 << 20
+SLAB_BYTES = 8 << 20
+# Units of one block computed at once (the loader's reader threads each run
 # a block; a union of blocks, read in one call, still uses the cores).
 SLAB_THREADS = min(8, os.cpu_count() or 1)
 _BFLOAT16 = numpy_dtype("bfloat16")
@@ -97,6 +106,49 @@ def _map(fn: Any, slabs: Sequence[Index]) -> list[Any]:
         return list(pool.map(fn, slabs))
 
 
+class SlabBuffers:
+    """Scratch memory for slabs, handed from slab to slab and tensor to tensor.
+
+    Every slab is read, widened and quantized in memory an earlier slab
+    already touched: fresh anonymous memory is zeroed by the kernel page by
+    page on first write, which was the largest single cost of an int8 load
+    (20% of its CPU samples, `perf`, Gemma-7B width) when each step of each
+    slab had its own fresh array. Buffers are at least `SLAB_BYTES`, so
+    slabs of any size share them; at most `keep` are held between slabs.
+    One instance serves all of a load's quantizers, and is dropped with them.
+    """
+
+    def __init__(self, keep: int = 4 * SLAB_THREADS) -> None:
+        self._free: list[np.ndarray] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def _take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+        return host_io.aligned_empty((max(nbytes, SLAB_BYTES),), np.uint8)
+
+    @contextlib.contextmanager
+    def lease(self):
+        """Yields `array(shape, dtype)`, which returns uninitialized scratch
+        arrays (C-contiguous, aligned) that live until the block exits."""
+        taken: list[np.ndarray] = []
+
+        def array(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+            dtype = np.dtype(dtype)
+            buffer = self._take(math.prod(shape) * dtype.itemsize)
+            taken.append(buffer)
+            return buffer[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+        try:
+            yield array
+        finally:
+            with self._lock:
+                self._free = sorted(self._free + taken, key=lambda b: b.nbytes)[-self._keep :]
+
+
 def _fresh(array: np.ndarray, dtype: Any) -> np.ndarray:
     out = host_io.aligned_empty(array.shape, dtype)
     out[...] = array
@@ -113,7 +165,10 @@ class _Derived(TensorSource):
         self.read_group = quantizer  # the scale reuses the values' statistics
 
     def read(self, index: Index) -> np.ndarray:
-        return _fresh(getattr(self.quantizer, self.part)(tuple(index)), self.dtype)
+        block = getattr(self.quantizer, self.part)(tuple(index))
+        if self.part == "values":  # fresh, int8, computed for this read
+            return block
+        return _fresh(block, self.dtype)
 
     def read_nbytes(self, index: Index) -> int:
         return self.quantizer.read_nbytes(self.part, tuple(index))
@@ -127,12 +182,19 @@ class TensorQuantizer:
         source: The float tensor's values (the checkpoint's, any dtype).
         float_dtype: The float variable's dtype (what stock's `quantize`
             computes in: the model's variable dtype).
+        buffers: Scratch memory shared with the load's other quantizers
+            (a new `SlabBuffers` if not given).
     """
 
-    def __init__(self, tensor: QuantizedTensor, source: TensorSource, float_dtype: Any) -> None:
+    def __init__(
+        self, tensor: QuantizedTensor, source: TensorSource, float_dtype: Any, buffers: SlabBuffers | None = None
+    ) -> None:
         self.tensor, self.source = tensor, source
         self.rule = tensor.rule
         self.float_dtype = numpy_dtype(float_dtype)
+        # bfloat16 is computed in float32 (`_widen`)
+        self.compute_dtype = np.dtype(np.float32) if self.float_dtype == _BFLOAT16 else self.float_dtype
+        self.buffers = buffers if buffers is not None else SlabBuffers()
         x = source if np.dtype(source.dtype) == self.float_dtype else transforms.Cast(source, self.float_dtype)
         if isinstance(self.rule, Int4Rule) and tuple(x.shape) != tuple(self.rule.matrix):
             x = blockwise_reshape(x, self.rule.matrix)
@@ -192,23 +254,24 @@ class TensorQuantizer:
         `combine_statistics` must run first."""
         return not all(self.complete(self.x_index(index)) for index in values_indices)
 
-    def _slabs(self, x_index: Index) -> list[Index]:
-        """`x_index` cut along a kept axis (never reduced or grouped; along
-        the packed axis in pairs) into slabs of about `SLAB_BYTES`: each
-        slab's statistics and values depend on the slab only, so a block is
-        computed with slab-sized temporaries, whatever its size."""
+    def _cut_axis(self, x_index: Index) -> int | None:
+        """The kept axis (never reduced or grouped) a block is cut along:
+        its longest; `None` if it has none."""
         rule = self.rule
-        if isinstance(rule, Int8Rule):
-            kept = [a for a in range(len(x_index)) if a not in rule.reduced]
-        else:
-            kept = [1 - rule.group_axis]
-        if not kept:
+        kept = [a for a in range(len(x_index)) if a not in rule.reduced] if isinstance(rule, Int8Rule) else [1 - rule.group_axis]
+        return max(kept, key=lambda a: x_index[a][1] - x_index[a][0]) if kept else None
+
+    def _slabs(self, x_index: Index, nbytes: int, axis: int | None) -> list[Index]:
+        """`x_index` cut along `axis` (in pairs along the packed axis) into
+        pieces of about `nbytes`: each piece's statistics and values depend
+        on the piece only, so a block is computed with piece-sized
+        temporaries, whatever its size."""
+        if axis is None:
             return [x_index]
-        axis = max(kept, key=lambda a: x_index[a][1] - x_index[a][0])
         start, stop = x_index[axis]
         per_unit = math.prod(b - a for i, (a, b) in enumerate(x_index) if i != axis)
-        step = max(1, SLAB_BYTES // max(1, per_unit * self.float_dtype.itemsize))
-        if isinstance(rule, Int4Rule) and axis == rule.pack_axis:
+        step = max(1, nbytes // max(1, per_unit * self.compute_dtype.itemsize))
+        if isinstance(self.rule, Int4Rule) and axis == self.rule.pack_axis:
             step = max(2, step - step % 2)
         out = []
         for lo in range(start, stop, step):
@@ -217,10 +280,30 @@ class TensorQuantizer:
             out.append(tuple(slab))
         return out
 
-    def _slab_axis(self, slabs: Sequence[Index]) -> int:
-        if len(slabs) < 2:
-            return 0
-        return next(a for a, (r0, r1) in enumerate(zip(slabs[0], slabs[1])) if r0 != r1)
+    def _each_slab(self, x_index: Index, fn: Any) -> list[Any]:
+        """`[fn(slab, block, scratch) ...]` over the slabs of block `x_index`
+        of `x`, in order: the block read in units of about `READ_BYTES`
+        (`SLAB_THREADS` at a time), each computed in slabs of about
+        `SLAB_BYTES`; `block` holds the slab's values (`_widen`) in scratch
+        memory `fn` may overwrite, `scratch` leases more."""
+        axis = self._cut_axis(x_index)
+
+        def unit(piece: Index) -> list[Any]:
+            with self.buffers.lease() as unit_scratch:
+                raw = self._read_raw(piece, unit_scratch)
+                out = []
+                for slab in self._slabs(piece, SLAB_BYTES, axis):
+                    with self.buffers.lease() as scratch:
+                        out.append(fn(slab, self._widen(raw[_slices(slab, piece)], scratch), scratch))
+                return out
+
+        return [r for results in _map(unit, self._slabs(x_index, READ_BYTES, axis)) for r in results]
+
+    def _joined(self, x_index: Index, parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+        """Per-slab statistics of block `x_index`, joined along its cut axis."""
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(np.concatenate(p, axis=self._cut_axis(x_index)) for p in zip(*parts))
 
     def _scale_box(self, scale_index: Index) -> Index:
         """The statistics of a block of the scale (or zero) variable."""
@@ -234,13 +317,30 @@ class TensorQuantizer:
 
     # --- statistics ---------------------------------------------------------
 
-    def _read(self, x_index: Index) -> np.ndarray:
-        """A block of `x` to compute on: a bfloat16 one widened to float32
-        (exact). Keras's block-sized steps on a bfloat16 kernel already run
-        in float32 (NumPy promotes `bf16 * f32`, `bf16 / f32`), and float32
-        reductions give the same (bfloat16) values, ~30x faster."""
-        block = self.x.read(x_index)
-        return block.astype(np.float32) if self.float_dtype == _BFLOAT16 else block
+    def _read_raw(self, x_index: Index, scratch: Any) -> np.ndarray:
+        """A block of `x` as read: a stored tensor's, straight into scratch
+        memory, in its dtype; else in the float dtype, fresh."""
+        stored = self.source.stored
+        if stored is not None and tuple(stored.shape) == tuple(self.x.shape):
+            return stored.read(x_index, out=scratch(tuple(b - a for a, b in x_index), stored.dtype))
+        return self.x.read(x_index)
+
+    def _widen(self, raw: np.ndarray, scratch: Any) -> np.ndarray:
+        """A slab to compute on, contiguous in scratch memory: the float
+        dtype's values (the checkpoint's cast as stock assigns them), a
+        bfloat16 slab widened to float32 (exact). Keras's block-sized steps
+        on a bfloat16 kernel already run in float32 (NumPy promotes `bf16 *
+        f32`, `bf16 / f32`), and float32 reductions give the same (bfloat16)
+        values, ~30x faster."""
+        rounded = raw
+        if raw.dtype != self.float_dtype:
+            rounded = scratch(raw.shape, self.float_dtype)
+            np.copyto(rounded, raw, casting="unsafe")  # as `astype`
+            if rounded.dtype == self.compute_dtype:
+                return rounded
+        wide = scratch(raw.shape, self.compute_dtype)
+        np.copyto(wide, rounded)
+        return wide
 
     def _reduce(self, x_index: Index, block: np.ndarray) -> tuple[np.ndarray, ...]:
         """Statistics of a block, in the float dtype (what Keras reduces in)."""
@@ -254,11 +354,8 @@ class TensorQuantizer:
     def partial_statistics(self, x_index: Index) -> tuple[Index, tuple[np.ndarray, ...]]:
         """`(stats box, arrays)` of block `x_index` of `x`, reduced over the
         rows it holds only (read slab by slab)."""
-        slabs = self._slabs(x_index)
-        parts = _map(lambda slab: self._reduce(slab, self._read(slab)), slabs)
-        axis = self._slab_axis(slabs)
-        stats = tuple(np.concatenate(p, axis=axis) for p in zip(*parts)) if len(parts) > 1 else parts[0]
-        return self._stats_box(x_index), stats
+        parts = self._each_slab(x_index, lambda slab, block, _: self._reduce(slab, block))
+        return self._stats_box(x_index), self._joined(x_index, parts)
 
     def _finish(self, box: Index, stats: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
         if isinstance(self.rule, Int8Rule):
@@ -313,29 +410,25 @@ class TensorQuantizer:
 
     def values(self, index: Index) -> np.ndarray:
         """Block `index` of the int8 (or packed int4) values, slab by slab
-        (`SLAB_THREADS` slabs at a time: NumPy releases the GIL)."""
+        (`_each_slab`: NumPy releases the GIL, units run in parallel)."""
         x_index = self.x_index(index)
         box = self._stats_box(x_index)
         local = self.complete(x_index) and self._global is None
         stats = None if local else self._statistics(box)
         out = host_io.aligned_empty(tuple(b - a for a, b in index), np.int8)
-        slabs = self._slabs(x_index)
 
-        def one(slab: Index) -> tuple[np.ndarray, ...]:
-            block = self._read(slab)
+        def one(slab: Index, block: np.ndarray, scratch: Any) -> tuple[np.ndarray, ...]:
             slab_box = self._stats_box(slab)
             if local:
                 part = self._finish(slab_box, self._reduce(slab, block))
             else:
                 part = tuple(s[_slices(slab_box, box)] for s in stats)
-            out[_slices(self._values_index(slab), index)] = self._quantize(slab, block, part)
+            self._quantize(slab, block, part, out[_slices(self._values_index(slab), index)], scratch)
             return part
 
-        kept = _map(one, slabs)
+        kept = self._each_slab(x_index, one)
         if local:
-            axis = self._slab_axis(slabs)
-            stats = tuple(np.concatenate(p, axis=axis) for p in zip(*kept)) if len(kept) > 1 else kept[0]
-            self._remember(box, stats)
+            self._remember(box, self._joined(x_index, kept))
         return out
 
     def _values_index(self, x_index: Index) -> Index:
@@ -347,13 +440,18 @@ class TensorQuantizer:
         out[axis] = (x_index[axis][0] // 2, -(-x_index[axis][1] // 2))
         return tuple(out)
 
-    def _quantize(self, x_index: Index, block: np.ndarray, stats: tuple[np.ndarray, ...]) -> np.ndarray:
+    def _quantize(
+        self, x_index: Index, block: np.ndarray, stats: tuple[np.ndarray, ...], out: np.ndarray, scratch: Any
+    ) -> None:
+        """Writes the values of `block` (scratch, overwritten) to `out`."""
         if isinstance(self.rule, Int8Rule):
-            return qm.int8_values(block, qm.int8_scale(stats[0]))
+            qm.int8_values(block, qm.int8_scale(stats[0]), overwrite=True, out=out)
+            return
         g = self.rule.group_axis
         scale, zero = qm.group_params(*stats)
-        values = qm.group_values(block, g, x_index[g][0], self.rule.block_size, scale, zero)
-        return qm.pack_int4(values, self.rule.pack_axis)
+        values = scratch(block.shape, np.int8)
+        qm.group_values(block, g, x_index[g][0], self.rule.block_size, scale, zero, overwrite=True, out=values)
+        qm.pack_int4(values, self.rule.pack_axis, out=out)
 
     def scale(self, index: Index) -> np.ndarray:
         """Block `index` of the scale, in the float dtype (as stock stores it)."""

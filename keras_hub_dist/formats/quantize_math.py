@@ -37,6 +37,7 @@ values = int8_values(block, scale)
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 
 import keras
@@ -85,17 +86,40 @@ def int8_scale(top: np.ndarray, value_range: tuple[int, int] = INT8_RANGE, epsil
     return np.divide(value_range[1], np.add(top, epsilon))
 
 
-def int8_values(block: np.ndarray, scale: np.ndarray, value_range: tuple[int, int] = INT8_RANGE) -> np.ndarray:
+def int8_values(
+    block: np.ndarray, scale: np.ndarray, value_range: tuple[int, int] = INT8_RANGE,
+    overwrite: bool = False, out: np.ndarray | None = None,
+) -> np.ndarray:
     """`abs_max_quantize`'s values of `block` for its (broadcast) scale.
 
     Keras's `clip` to the range is left out: it never changes a value. With
     `scale = r / (m + eps)` and `|x| <= m` (the very maximum the scale came
     from), `|x * scale| <= r * (1 + 2 ulp)`, which rounds to at most `r`
     (and NaN stays NaN either way); the test suite checks ties and extremes
-    against Keras."""
-    outputs = np.multiply(block, scale)  # then in place: the same values
-    np.round(outputs, out=outputs)
-    return outputs.astype("int8")
+    against Keras.
+
+    With `overwrite=True` the products are computed in `block`'s memory
+    where they have its dtype; with `out` (int8, the block's shape, any
+    strides) the values are written there.
+    """
+    products = _product_target(block, scale, overwrite)
+    np.multiply(block, scale, out=products)
+    if out is None:
+        out = np.empty(products.shape, np.int8)
+    # Keras's `np.round` (which is `rint` for 0 decimals) then
+    # `astype("int8")`, in one pass: the ufunc rounds into a small buffer
+    # and casts that with the same cast `astype` uses.
+    np.rint(products, out=out, casting="unsafe")
+    return out
+
+
+def _product_target(block: np.ndarray, other: np.ndarray, overwrite: bool) -> np.ndarray:
+    """Where `block (op) other` goes: `block` itself when allowed and of the
+    result's dtype (the same values: element-wise, in place), else fresh."""
+    dtype = np.result_type(block, other)
+    if overwrite and dtype == block.dtype and block.flags.writeable:
+        return block
+    return np.empty(np.broadcast_shapes(block.shape, other.shape), dtype)
 
 
 def group_segments(start: int, stop: int, block_size: int) -> list[tuple[int, int, int]]:
@@ -113,12 +137,13 @@ def group_segments(start: int, stop: int, block_size: int) -> list[tuple[int, in
 
 def _per_group(
     block: np.ndarray, axis: int, start: int, block_size: int,
-    fn: Callable[[np.ndarray, slice], np.ndarray],
+    fn: Callable[[np.ndarray, slice, int], np.ndarray],
 ) -> list[np.ndarray]:
-    """`fn(rows of one group, the group's slot)` per group the block's rows
-    touch (`axis` is the group axis; `start` the block's first row). Whole
-    groups in the middle go through `fn` at once, reshaped to (groups,
-    block_size, other) with the group axis first."""
+    """`fn(rows of one group, the group's slot, their first row in the
+    block)` per group the block's rows touch (`axis` is the group axis;
+    `start` the block's first row). Whole groups in the middle go through
+    `fn` at once, reshaped to (groups, block_size, other) with the group
+    axis first."""
     moved = np.moveaxis(block, axis, 0)
     segments = group_segments(start, start + moved.shape[0], block_size)
     first_group = segments[0][0] if segments else 0
@@ -132,11 +157,11 @@ def _per_group(
                 j += 1
             rows = moved[lo - start : segments[j - 1][2] - start]
             whole = rows.reshape((j - i, block_size) + rows.shape[1:])
-            out.append(fn(whole, slice(group - first_group, group - first_group + j - i)))
+            out.append(fn(whole, slice(group - first_group, group - first_group + j - i), lo - start))
             i = j
         else:
             rows = moved[lo - start : hi - start]
-            out.append(fn(rows[None], slice(group - first_group, group - first_group + 1)))
+            out.append(fn(rows[None], slice(group - first_group, group - first_group + 1), lo - start))
             i += 1
     return out
 
@@ -145,13 +170,14 @@ def group_stats(block: np.ndarray, axis: int, start: int, block_size: int) -> tu
     """Per-group `(min, max)` over the rows the block holds (group axis
     `axis`, first row `start`), shaped like the block with that axis
     replaced by the groups it touches. Exact: combine with `np.minimum` /
-    `np.maximum`, then `finish_group_stats`."""
-    lows = _per_group(block, axis, start, block_size, lambda rows, _: np.min(rows, axis=1))
-    highs = _per_group(block, axis, start, block_size, lambda rows, _: np.max(rows, axis=1))
-    return (
-        np.moveaxis(np.concatenate(lows, axis=0), 0, axis),
-        np.moveaxis(np.concatenate(highs, axis=0), 0, axis),
-    )
+    `np.maximum`, then `finish_group_stats`.
+
+    One `reduceat` per statistic, at the groups' first rows: for groups
+    along a contiguous last axis (an embedding table's), 2.7x faster than
+    `np.min` over a (rows, groups, 128) view, whose 128-element rows NumPy
+    reduces one by one."""
+    starts = [lo - start for _, lo, _ in group_segments(start, start + block.shape[axis], block_size)]
+    return np.minimum.reduceat(block, starts, axis=axis), np.maximum.reduceat(block, starts, axis=axis)
 
 
 def finish_group_stats(
@@ -186,35 +212,68 @@ def group_params(
 def group_values(
     block: np.ndarray, axis: int, start: int, block_size: int,
     scale: np.ndarray, zero_point: np.ndarray, value_range: tuple[int, int] = INT4_RANGE,
+    overwrite: bool = False, out: np.ndarray | None = None,
 ) -> np.ndarray:
     """The int4 values (in int8) of a block whose groups' parameters are
-    `scale` / `zero_point` (group axis `axis`, first group the block's)."""
+    `scale` / `zero_point` (group axis `axis`, first group the block's).
+    `overwrite` and `out` as for `int8_values`."""
     qmin, qmax = value_range
     scale_g = np.moveaxis(scale, axis, 0)
     zero_g = np.moveaxis(zero_point, axis, 0)
+    values = np.empty(block.shape, np.int8) if out is None else out
+    values_g = np.moveaxis(values, axis, 0)
 
-    def quantize(rows: np.ndarray, groups: slice) -> np.ndarray:
-        outputs = np.divide(rows, scale_g[groups][:, None])  # then in place
+    def quantize(rows: np.ndarray, groups: slice, first: int) -> None:
+        group_scale = scale_g[groups][:, None]
+        outputs = _product_target(rows, group_scale, overwrite)
+        np.divide(rows, group_scale, out=outputs)  # then in place
         np.round(outputs, out=outputs)
         np.add(outputs, zero_g[groups][:, None], out=outputs)
-        np.clip(outputs, qmin, qmax, out=outputs)
-        outputs = outputs.astype("int8")
-        return outputs.reshape((-1,) + outputs.shape[2:])
+        target = values_g[first : first + outputs.shape[0] * outputs.shape[1]]
+        # `clip` then `astype("int8")`, in one pass (as in `int8_values`)
+        np.clip(outputs.reshape(target.shape), qmin, qmax, out=target, casting="unsafe")
 
-    parts = _per_group(block, axis, start, block_size, quantize)
-    return np.moveaxis(np.concatenate(parts, axis=0), 0, axis)
+    _per_group(block, axis, start, block_size, quantize)
+    return values
 
 
-def pack_int4(values: np.ndarray, axis: int) -> np.ndarray:
-    """`keras.quantizers.pack_int4(values, axis)`'s NumPy steps (int8)."""
+def pack_int4(values: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    """`keras.quantizers.pack_int4(values, axis)` (int8), written to `out`
+    (any strides) if given.
+
+    Keras computes `(low & 0x0F) | ((high & 0x0F) << 4)` in int8 over every
+    other element; the same bits come from uint8 views with one step fewer
+    (a byte shifted left by 4 drops the high nibble `& 0x0F` would clear),
+    or, for pairs along a contiguous last axis, from each pair read as one
+    little-endian uint16 (`_pack_pairs`): every other element along the last
+    axis is a 2-byte stride NumPy cannot vectorize, 1.75x slower."""
+    if out is None:
+        shape = list(values.shape)
+        shape[axis] = -(-shape[axis] // 2)
+        out = np.empty(shape, np.int8)
+    last = axis == values.ndim - 1 or axis == -1
+    if last and values.shape[-1] % 2 == 0 and values.flags.c_contiguous and _LITTLE_ENDIAN:
+        _pack_pairs(values.astype(np.int8, copy=False).view(np.uint16), out.view(np.uint8))
+        return out
     arr = np.moveaxis(values, axis, 0)
     if arr.shape[0] % 2 == 1:
         arr = np.concatenate([arr, np.zeros((1,) + arr.shape[1:], dtype=arr.dtype)], axis=0)
-    low = arr[::2]
-    high = arr[1::2]
-    dtype = np.dtype("int8")
-    mask = np.array(0x0F, dtype=dtype)
-    low_u = np.bitwise_and(low.astype(dtype), mask)
-    high_u = np.bitwise_and(high.astype(dtype), mask)
-    packed = np.bitwise_or(low_u, np.left_shift(high_u, np.array(4, dtype=dtype)))
-    return np.moveaxis(packed.astype(dtype), 0, axis)
+    low = arr[::2].astype(np.int8, copy=False).view(np.uint8)
+    high = arr[1::2].astype(np.int8, copy=False).view(np.uint8)
+    packed = np.moveaxis(out, axis, 0).view(np.uint8)
+    np.left_shift(high, np.uint8(4), out=packed)
+    np.bitwise_or(packed, np.bitwise_and(low, np.uint8(0x0F)), out=packed)
+    return out
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _pack_pairs(pairs: np.ndarray, out: np.ndarray) -> None:
+    """Each uint16 `high << 8 | low` (an int8 pair) to the byte
+    `(high << 4) & 0xF0 | low & 0x0F`, into uint8 `out`."""
+    low = np.bitwise_and(pairs, np.uint16(0x0F))
+    high = np.right_shift(pairs, np.uint16(4))
+    np.bitwise_and(high, np.uint16(0xF0), out=high)
+    np.bitwise_or(low, high, out=low)
+    np.copyto(out, low, casting="unsafe")  # the low byte

@@ -35,6 +35,7 @@ from keras_hub_dist.errors import QuantizationError
 from keras_hub_dist.formats import host_io
 from keras_hub_dist.formats.base import Index, TensorSource, numpy_dtype
 from keras_hub_dist.formats.quantize import (
+    SlabBuffers,
     TensorQuantizer,
     combine_statistics,
     group_index_source,
@@ -129,6 +130,7 @@ def initialize_quantized(backbone: keras.Model, created: list[Any], mode: str) -
     initializers.initialize_variables([v for v in created if id(v) not in removed], distribute_all=True)
     mesh = distribution.device_mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape))
+    buffers = SlabBuffers()
     for tensor in result.tensors:
         float_variable = tensor.float_variable
         layout = distribution.get_variable_layout(float_variable)
@@ -136,7 +138,7 @@ def initialize_quantized(backbone: keras.Model, created: list[Any], mode: str) -
         axes = quantized_axes(tensor, float_axes, sizes)
         initializers.initialize_variables([float_variable], distribute_all=True)
         drawn = _compat.variable_array(float_variable)
-        quantizer = TensorQuantizer(tensor, _DeviceShards(drawn, float_variable.path), float_variable.dtype)
+        quantizer = TensorQuantizer(tensor, _DeviceShards(drawn, float_variable.path), float_variable.dtype, buffers)
         values = quantizer.values_source()
         sharding = keras.distribution.TensorLayout(axes[tensor.values.path], mesh).backend_layout
         if quantizer.splits(sharding_blocks(sharding, values.shape)):

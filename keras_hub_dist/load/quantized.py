@@ -40,6 +40,7 @@ import keras
 from keras_hub_dist.errors import QuantizationError
 from keras_hub_dist.formats.base import CheckpointIndex, IndexedVariable, numpy_dtype
 from keras_hub_dist.formats.quantize import (
+    SlabBuffers,
     TensorQuantizer,
     combine_statistics,
     group_index_source,
@@ -147,9 +148,10 @@ def quantize_checkpoint(backbone: keras.Model, index: CheckpointIndex, mode: str
     derived: dict[int, Any] = {}
     quantizers: dict[int, TensorQuantizer] = {}
     loaded = QuantizedLoad(index, result, quantizers)
+    buffers = SlabBuffers()
     for tensor in result.tensors:
         entry = by_variable[id(tensor.float_variable)]
-        quantizer = TensorQuantizer(tensor, entry.source, tensor.float_variable.dtype)
+        quantizer = TensorQuantizer(tensor, entry.source, tensor.float_variable.dtype, buffers)
         values = quantizer.values_source()
         quantizers[id(values)] = quantizer
         derived[id(tensor.values)] = values

@@ -181,3 +181,68 @@ def test_int8_extremes_equal_keras(dtype):
     ours_scale = qm.int8_scale(qm.abs_max(x, (0,)))
     assert ours_scale.astype(DTYPES[dtype]).tobytes() == np.asarray(scale).tobytes()
     assert qm.int8_values(x, ours_scale).tobytes() == np.asarray(values).tobytes()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_in_place_and_strided_outputs_give_the_same_bits(dtype):
+    # The loader computes in scratch memory (`overwrite=True`) and writes
+    # each slab's values into a column strip of the block (`out=`, strided).
+    x = _values(256, 12, DTYPES[dtype])
+    wide = x.astype(np.float32)
+    scale = qm.int8_scale(qm.abs_max(x, (0,)))
+    block = np.zeros((256, 20), np.int8)
+    qm.int8_values(wide.copy(), scale, overwrite=True, out=block[:, 4:16])
+    assert block[:, 4:16].tobytes() == qm.int8_values(x, scale).tobytes()
+    assert not block[:, :4].any() and not block[:, 16:].any()
+
+    low, high = qm.finish_group_stats(*qm.group_stats(x, 0, 0, 128), 0, 0, 256, 128)
+    s, z = qm.group_params(low, high)
+    expected = qm.group_values(x, 0, 0, 128, s, z)
+    values = np.zeros((256, 20), np.int8)
+    scratch = wide.copy()
+    qm.group_values(scratch, 0, 0, 128, s, z, overwrite=True, out=values[:, 2:14])
+    assert values[:, 2:14].tobytes() == expected.tobytes()
+    assert np.result_type(wide, s) != wide.dtype or not np.array_equal(scratch, wide)  # it did overwrite
+    for axis in (0, 1):
+        packed = np.zeros((128, 20) if axis == 0 else (256, 20), np.int8)
+        target = packed[:, 3:15] if axis == 0 else packed[:, 3:9]
+        qm.pack_int4(expected, axis, out=target)
+        assert target.tobytes() == np.asarray(keras.quantizers.pack_int4(expected, axis=axis)[0]).tobytes()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_stored_float32_quantized_as_bfloat16_in_reused_scratch(mode, tmp_path, monkeypatch):
+    # A float32 checkpoint tensor loaded as bfloat16 and quantized: read
+    # straight into scratch memory, rounded to bfloat16 as stock's assign
+    # does, and quantized to Keras's bits; many slabs share a few buffers.
+    from keras_hub_dist.formats import host_io
+    from keras_hub_dist.formats.base import StoredTensor, StoredTensorSource
+
+    monkeypatch.setattr(fq, "READ_BYTES", 256 * 4 * 12)  # read 12 columns of 256 float32 rows at a time
+    monkeypatch.setattr(fq, "SLAB_BYTES", 256 * 4 * 4)  # computed 4 at a time
+    x = _values(256, 40, np.float32)
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"\0" * 16 + x.tobytes())
+    source = StoredTensorSource(StoredTensor(str(path), 16, x.shape, np.dtype(np.float32)))
+    as_bf16 = x.astype(ml_dtypes.bfloat16)
+    if mode == "int8":
+        rule, scale_shape = Int8Rule((0,), (1,)), (40,)
+        values, scale = keras.quantizers.abs_max_quantize(as_bf16, axis=0, to_numpy=True)
+        expected = [np.asarray(values), np.asarray(scale).reshape(40)]
+    else:
+        rule, scale_shape = Int4Rule((256, 40), 0, 0, 128), (2, 40)
+        values, scale, _ = keras.quantizers.abs_max_quantize_grouped_with_zero_point(as_bf16, block_size=128, to_numpy=True)
+        expected = [np.asarray(keras.quantizers.pack_int4(values, axis=0)[0]), np.asarray(scale)]
+    allocations = []
+    original = host_io.aligned_empty
+    monkeypatch.setattr(host_io, "aligned_empty", lambda *a: allocations.append(a) or original(*a))
+    quantizer = fq.TensorQuantizer(_tensor(rule, (256, 40), scale_shape), source, "bfloat16")
+    shape = quantizer.values_source().shape
+    got = quantizer.values_source().read(((0, shape[0]), (0, 40)))
+    assert got.tobytes() == expected[0].tobytes()
+    assert quantizer.scale(tuple((0, d) for d in scale_shape)).tobytes() == expected[1].tobytes()
+    units = quantizer._slabs(((0, 256), (0, 40)), fq.READ_BYTES, 1)
+    slabs = sum(len(quantizer._slabs(unit, fq.SLAB_BYTES, 1)) for unit in units)
+    scratch = [a for a in allocations if a[1] == np.uint8]
+    assert (len(units), slabs) == (4, 10) and len(scratch) <= 4 * fq.SLAB_THREADS  # not one per slab and step
+    assert len(allocations) == len(scratch) + 1  # and the values block: no slab read in fresh memory

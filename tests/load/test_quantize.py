@@ -265,16 +265,16 @@ def test_each_float_tensor_is_read_once(mode, root, monkeypatch):
     read: dict[str, int] = {}
     size: dict[str, int] = {}
     lock = threading.Lock()  # the slabs of one tensor are read on several threads
-    original = quantize_module.TensorQuantizer._read
+    original = quantize_module.TensorQuantizer._read_raw
 
-    def counting_read(self, x_index):
-        block = original(self, x_index)
+    def counting_read(self, x_index, scratch):
+        block = original(self, x_index, scratch)
         with lock:
             read[self.tensor.float_path] = read.get(self.tensor.float_path, 0) + block.size
             size[self.tensor.float_path] = int(np.prod(self.x.shape))
         return block
 
-    monkeypatch.setattr(quantize_module.TensorQuantizer, "_read", counting_read)
+    monkeypatch.setattr(quantize_module.TensorQuantizer, "_read_raw", counting_read)
     load_sharded_preset(_lm_preset(root), mesh=(1, 8), quantize=mode, progress=False)
     assert len(read) == 2 + 7 * LM["num_layers"], sorted(read)  # embeddings, lm head, 7 kernels a layer
     assert read == size
