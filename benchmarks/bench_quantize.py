@@ -20,6 +20,9 @@ file's bytes (one process reads the whole file: its share is all of it).
 Usage (heavy: run under the machine's heavy-job lock):
 
     flock /tmp/khd-heavy.lock python benchmarks/bench_quantize.py --keep
+    # more decoder blocks (a smaller share of embedding), ours only:
+    flock /tmp/khd-heavy.lock python benchmarks/bench_quantize.py --keep \
+        --num_layers 4 --cases plain,ours_int8,ours_int4
 """
 
 from __future__ import annotations
@@ -136,14 +139,17 @@ def main() -> None:
     parser.add_argument("--stock_cap_gb", type=float, default=18.0)
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--cases", default=",".join(CASES), help="Comma-separated subset of the cases.")
+    parser.add_argument("--num_layers", type=int, default=0,
+                        help="Decoder blocks of the probe (default 1: the embedding is 83%% of its weights).")
     args = parser.parse_args()
     if args.case:
         result = _case(args)
         sys.stdout.write(bench_load.RESULT_TAG + json.dumps(result) + "\n")
         sys.stdout.flush()
         os._exit(0)
-    args.preset = args.preset or os.path.join(args.workdir, "bench_quantize_width1")
-    write = argparse.Namespace(config="width1", format="keras", preset=args.preset, num_layers=None)
+    suffix = f"_L{args.num_layers}" if args.num_layers else ""
+    args.preset = args.preset or os.path.join(args.workdir, "bench_quantize_width1" + suffix)
+    write = argparse.Namespace(config="width1", format="keras", preset=args.preset, num_layers=args.num_layers or None)
     bench_load._write(write)
     results: dict[str, list[dict]] = {}
     try:

@@ -36,6 +36,7 @@ __all__ = [
     "Index",
     "LocalFile",
     "Readers",
+    "ScratchBuffers",
     "IOV_MAX",
     "MAX_READ",
     "aligned_empty",
@@ -253,6 +254,62 @@ class BufferPool:
         with self._lock:
             self._free.clear()
             self._bytes = 0
+
+
+class ScratchBuffers:
+    """Scratch memory handed on from one step to the next (a quantized
+    load's units and slabs, from tensor to tensor).
+
+    Each step computes in memory an earlier step already touched: fresh
+    anonymous memory is zeroed by the kernel page by page on first write,
+    which was the largest single cost of an int8 load (20% of its CPU
+    samples, `perf`, Gemma-7B width) when every step of every slab had its
+    own fresh array. Buffers are at least `min_bytes`, so requests of any
+    smaller size share them; at most `keep` (the largest) are held between
+    leases, and all of them go with the instance.
+
+    Args:
+        min_bytes: The smallest buffer allocated.
+        keep: The most buffers held between leases.
+    """
+
+    def __init__(self, min_bytes: int, keep: int) -> None:
+        self._free: list[np.ndarray] = []
+        self._min_bytes, self._keep = min_bytes, keep
+        self._lock = threading.Lock()
+
+    def _take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+        return aligned_empty((max(nbytes, self._min_bytes),), np.uint8)
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[Callable[[tuple[int, ...], Any], np.ndarray]]:
+        """Yields `array(shape, dtype)`, which returns uninitialized scratch
+        arrays (C-contiguous, aligned) that live until the block exits.
+
+        Example:
+
+        ```python
+        with buffers.lease() as scratch:
+            block = scratch((64, 3072), np.float32)
+        ```
+        """
+        taken: list[np.ndarray] = []
+
+        def array(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            buffer = self._take(nbytes)
+            taken.append(buffer)
+            return buffer[:nbytes].view(dtype).reshape(shape)
+
+        try:
+            yield array
+        finally:
+            with self._lock:
+                self._free = sorted(self._free + taken, key=lambda b: b.nbytes)[-self._keep :]
 
 
 def _memory_of(array: np.ndarray) -> Any:

@@ -35,7 +35,6 @@ quantizer.scale_source().read(((0, 32),))            # its scale block
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import threading
@@ -63,17 +62,17 @@ from keras_hub_dist.plan.quantization import (
 __all__ = [
     "READ_BYTES",
     "SLAB_BYTES",
-    "SlabBuffers",
     "TensorQuantizer",
     "combine_statistics",
     "group_index_source",
     "sharding_blocks",
+    "slab_buffers",
 ]
 
 # A block is read in units of about this many bytes and each unit quantized
-# in slabs of about `SLAB_BYTES` (both counted in the dtype it is computed
-# in), so the host holds one unit and a few slabs per reader thread, not
-# the block. Units are cut along a kept axis, most often columns: a narrow
+# in slabs of rows of about `SLAB_BYTES` (both counted in the dtype it is
+# computed in), so the host holds one unit and a few slabs per reader thread,
+# not the block. Units are cut along a kept axis, most often columns: a narrow
 # strip of a row-major tensor is one file read (and its Python) per row,
 # and 4 MiB units made an int8 load 4x slower than 64 MiB ones (Gemma-7B
 # width, `benchmarks/bench_quantize.py`).
@@ -98,55 +97,19 @@ def _intersection(a: Index, b: Index) -> Index | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
-def _map(fn: Any, slabs: Sequence[Index]) -> list[Any]:
-    """`[fn(slab) for slab in slabs]`, `SLAB_THREADS` at a time."""
-    if len(slabs) < 2 or SLAB_THREADS < 2:
-        return [fn(slab) for slab in slabs]
-    with ThreadPoolExecutor(min(SLAB_THREADS, len(slabs)), "keras_hub_dist-quantize") as pool:
-        return list(pool.map(fn, slabs))
+def _map(fn: Any, units: Sequence[Index]) -> list[Any]:
+    """`[fn(unit) for unit in units]`, `SLAB_THREADS` at a time."""
+    if len(units) < 2 or SLAB_THREADS < 2:
+        return [fn(unit) for unit in units]
+    with ThreadPoolExecutor(min(SLAB_THREADS, len(units)), "keras_hub_dist-quantize") as pool:
+        return list(pool.map(fn, units))
 
 
-class SlabBuffers:
-    """Scratch memory for slabs, handed from slab to slab and tensor to tensor.
-
-    Every slab is read, widened and quantized in memory an earlier slab
-    already touched: fresh anonymous memory is zeroed by the kernel page by
-    page on first write, which was the largest single cost of an int8 load
-    (20% of its CPU samples, `perf`, Gemma-7B width) when each step of each
-    slab had its own fresh array. Buffers are at least `SLAB_BYTES`, so
-    slabs of any size share them; at most `keep` are held between slabs.
-    One instance serves all of a load's quantizers, and is dropped with them.
-    """
-
-    def __init__(self, keep: int = 4 * SLAB_THREADS) -> None:
-        self._free: list[np.ndarray] = []
-        self._keep = keep
-        self._lock = threading.Lock()
-
-    def _take(self, nbytes: int) -> np.ndarray:
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
-        return host_io.aligned_empty((max(nbytes, SLAB_BYTES),), np.uint8)
-
-    @contextlib.contextmanager
-    def lease(self):
-        """Yields `array(shape, dtype)`, which returns uninitialized scratch
-        arrays (C-contiguous, aligned) that live until the block exits."""
-        taken: list[np.ndarray] = []
-
-        def array(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-            dtype = np.dtype(dtype)
-            buffer = self._take(math.prod(shape) * dtype.itemsize)
-            taken.append(buffer)
-            return buffer[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
-
-        try:
-            yield array
-        finally:
-            with self._lock:
-                self._free = sorted(self._free + taken, key=lambda b: b.nbytes)[-self._keep :]
+def slab_buffers() -> host_io.ScratchBuffers:
+    """Scratch memory for one load's quantizers (`TensorQuantizer`'s
+    `buffers`): buffers of at least `SLAB_BYTES`, a few per slab thread
+    kept between uses."""
+    return host_io.ScratchBuffers(min_bytes=SLAB_BYTES, keep=4 * SLAB_THREADS)
 
 
 def _fresh(array: np.ndarray, dtype: Any) -> np.ndarray:
@@ -183,18 +146,19 @@ class TensorQuantizer:
         float_dtype: The float variable's dtype (what stock's `quantize`
             computes in: the model's variable dtype).
         buffers: Scratch memory shared with the load's other quantizers
-            (a new `SlabBuffers` if not given).
+            (`slab_buffers()`; a new one if not given).
     """
 
     def __init__(
-        self, tensor: QuantizedTensor, source: TensorSource, float_dtype: Any, buffers: SlabBuffers | None = None
+        self, tensor: QuantizedTensor, source: TensorSource, float_dtype: Any,
+        buffers: host_io.ScratchBuffers | None = None,
     ) -> None:
         self.tensor, self.source = tensor, source
         self.rule = tensor.rule
         self.float_dtype = numpy_dtype(float_dtype)
         # bfloat16 is computed in float32 (`_widen`)
         self.compute_dtype = np.dtype(np.float32) if self.float_dtype == _BFLOAT16 else self.float_dtype
-        self.buffers = buffers if buffers is not None else SlabBuffers()
+        self.buffers = buffers if buffers is not None else slab_buffers()
         x = source if np.dtype(source.dtype) == self.float_dtype else transforms.Cast(source, self.float_dtype)
         if isinstance(self.rule, Int4Rule) and tuple(x.shape) != tuple(self.rule.matrix):
             x = blockwise_reshape(x, self.rule.matrix)
@@ -280,27 +244,57 @@ class TensorQuantizer:
             out.append(tuple(slab))
         return out
 
-    def _each_slab(self, x_index: Index, fn: Any) -> list[Any]:
-        """`[fn(slab, block, scratch) ...]` over the slabs of block `x_index`
-        of `x`, in order: the block read in units of about `READ_BYTES`
-        (`SLAB_THREADS` at a time), each computed in slabs of about
-        `SLAB_BYTES`; `block` holds the slab's values (`_widen`) in scratch
-        memory `fn` may overwrite, `scratch` leases more."""
+    def _each_unit(self, x_index: Index, fn: Any) -> list[Any]:
+        """`[fn(unit, src, rounded) ...]` over block `x_index` of `x` read in
+        units of about `READ_BYTES` (`SLAB_THREADS` at a time), in order.
+        `src` holds the unit in scratch memory `fn` may overwrite, in a
+        dtype NumPy reduces fast (float32 or wider); `rounded` says whether
+        it already holds the float dtype's values (else `_rounded_rows`
+        rounds them; reductions may use it as it is: rounding to a narrower
+        float is monotonic, so the maximum of the rounded values is the
+        rounded maximum, and so for the minimum)."""
         axis = self._cut_axis(x_index)
 
-        def unit(piece: Index) -> list[Any]:
-            with self.buffers.lease() as unit_scratch:
-                raw = self._read_raw(piece, unit_scratch)
-                out = []
-                for slab in self._slabs(piece, SLAB_BYTES, axis):
-                    with self.buffers.lease() as scratch:
-                        out.append(fn(slab, self._widen(raw[_slices(slab, piece)], scratch), scratch))
-                return out
+        def unit(piece: Index) -> Any:
+            with self.buffers.lease() as scratch:
+                raw = self._read_raw(piece, scratch)
+                if raw.dtype.kind == "f" and raw.dtype.itemsize >= 4:  # NumPy's own float32 / float64
+                    return fn(piece, raw, raw.dtype == self.float_dtype)
+                return fn(piece, self._widen(raw, scratch), True)
 
-        return [r for results in _map(unit, self._slabs(x_index, READ_BYTES, axis)) for r in results]
+        return _map(unit, self._slabs(x_index, READ_BYTES, axis))
+
+    def _rounded_rows(self, unit: Index, src: np.ndarray, rounded: bool) -> Any:
+        """Yields `(rows, block)`: `unit` cut along axis 0 into contiguous
+        slabs of about `SLAB_BYTES` (whole groups and pairs where axis 0 is
+        grouped or packed), each slab's values in the compute dtype, in
+        memory the caller may overwrite (`src`'s own rows where it can)."""
+        align = 1
+        if isinstance(self.rule, Int4Rule):
+            align = math.lcm(self.rule.block_size if self.rule.group_axis == 0 else 1, 2 if self.rule.pack_axis == 0 else 1)
+        start, stop = unit[0]
+        per_row = math.prod(b - a for a, b in unit[1:]) * self.compute_dtype.itemsize
+        step = max(align, SLAB_BYTES // max(1, per_row))
+        lo = start
+        while lo < stop:
+            hi = min(stop, max(lo + 1, (lo + step) // align * align))
+            rows = ((lo, hi),) + tuple(unit[1:])
+            block = src[lo - start : hi - start]
+            with self.buffers.lease() as scratch:
+                if not rounded:
+                    narrow = scratch(block.shape, self.float_dtype)
+                    np.copyto(narrow, block, casting="unsafe")  # as stock's assign
+                    if narrow.dtype == self.compute_dtype:
+                        block = narrow
+                    else:
+                        if block.dtype != self.compute_dtype:
+                            block = scratch(block.shape, self.compute_dtype)
+                        np.copyto(block, narrow)
+                yield rows, block, scratch
+            lo = hi
 
     def _joined(self, x_index: Index, parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
-        """Per-slab statistics of block `x_index`, joined along its cut axis."""
+        """Per-unit statistics of block `x_index`, joined along its cut axis."""
         if len(parts) == 1:
             return parts[0]
         return tuple(np.concatenate(p, axis=self._cut_axis(x_index)) for p in zip(*parts))
@@ -326,9 +320,9 @@ class TensorQuantizer:
         return self.x.read(x_index)
 
     def _widen(self, raw: np.ndarray, scratch: Any) -> np.ndarray:
-        """A slab to compute on, contiguous in scratch memory: the float
+        """A unit to compute on, contiguous in scratch memory: the float
         dtype's values (the checkpoint's cast as stock assigns them), a
-        bfloat16 slab widened to float32 (exact). Keras's block-sized steps
+        bfloat16 unit widened to float32 (exact). Keras's block-sized steps
         on a bfloat16 kernel already run in float32 (NumPy promotes `bf16 *
         f32`, `bf16 / f32`), and float32 reductions give the same (bfloat16)
         values, ~30x faster."""
@@ -343,7 +337,8 @@ class TensorQuantizer:
         return wide
 
     def _reduce(self, x_index: Index, block: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Statistics of a block, in the float dtype (what Keras reduces in)."""
+        """Statistics of a block, in the float dtype (what Keras reduces in;
+        the block may hold the values before their rounding to it)."""
         if isinstance(self.rule, Int8Rule):
             stats = (qm.abs_max(block, self.rule.reduced),)
         else:
@@ -353,8 +348,8 @@ class TensorQuantizer:
 
     def partial_statistics(self, x_index: Index) -> tuple[Index, tuple[np.ndarray, ...]]:
         """`(stats box, arrays)` of block `x_index` of `x`, reduced over the
-        rows it holds only (read slab by slab)."""
-        parts = self._each_slab(x_index, lambda slab, block, _: self._reduce(slab, block))
+        rows it holds only (read unit by unit)."""
+        parts = self._each_unit(x_index, lambda unit, src, _: self._reduce(unit, src))
         return self._stats_box(x_index), self._joined(x_index, parts)
 
     def _finish(self, box: Index, stats: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
@@ -409,24 +404,27 @@ class TensorQuantizer:
     # --- the variables ------------------------------------------------------
 
     def values(self, index: Index) -> np.ndarray:
-        """Block `index` of the int8 (or packed int4) values, slab by slab
-        (`_each_slab`: NumPy releases the GIL, units run in parallel)."""
+        """Block `index` of the int8 (or packed int4) values: statistics
+        per unit, values per slab of rows (`_each_unit`, `_rounded_rows`;
+        NumPy releases the GIL, units run in parallel)."""
         x_index = self.x_index(index)
         box = self._stats_box(x_index)
         local = self.complete(x_index) and self._global is None
         stats = None if local else self._statistics(box)
         out = host_io.aligned_empty(tuple(b - a for a, b in index), np.int8)
 
-        def one(slab: Index, block: np.ndarray, scratch: Any) -> tuple[np.ndarray, ...]:
-            slab_box = self._stats_box(slab)
+        def one(unit: Index, src: np.ndarray, rounded: bool) -> tuple[np.ndarray, ...]:
+            unit_box = self._stats_box(unit)
             if local:
-                part = self._finish(slab_box, self._reduce(slab, block))
+                part = self._finish(unit_box, self._reduce(unit, src))
             else:
-                part = tuple(s[_slices(slab_box, box)] for s in stats)
-            self._quantize(slab, block, part, out[_slices(self._values_index(slab), index)], scratch)
+                part = tuple(s[_slices(unit_box, box)] for s in stats)
+            for rows, block, scratch in self._rounded_rows(unit, src, rounded):
+                rows_part = tuple(p[_slices(self._stats_box(rows), unit_box)] for p in part)
+                self._quantize(rows, block, rows_part, out[_slices(self._values_index(rows), index)], scratch)
             return part
 
-        kept = self._each_slab(x_index, one)
+        kept = self._each_unit(x_index, one)
         if local:
             self._remember(box, self._joined(x_index, kept))
         return out

@@ -172,12 +172,19 @@ def group_stats(block: np.ndarray, axis: int, start: int, block_size: int) -> tu
     replaced by the groups it touches. Exact: combine with `np.minimum` /
     `np.maximum`, then `finish_group_stats`.
 
-    One `reduceat` per statistic, at the groups' first rows: for groups
-    along a contiguous last axis (an embedding table's), 2.7x faster than
-    `np.min` over a (rows, groups, 128) view, whose 128-element rows NumPy
-    reduces one by one."""
-    starts = [lo - start for _, lo, _ in group_segments(start, start + block.shape[axis], block_size)]
-    return np.minimum.reduceat(block, starts, axis=axis), np.maximum.reduceat(block, starts, axis=axis)
+    Groups along the last axis (an embedding table's) are reduced by one
+    `reduceat` at their first elements: NumPy reduces the 128-element rows
+    of a (rows, groups, 128) view one by one, 1.4x slower; along any other
+    axis that view is the fast one (8x faster than `reduceat`)."""
+    if axis == block.ndim - 1:
+        starts = [lo - start for _, lo, _ in group_segments(start, start + block.shape[axis], block_size)]
+        return np.minimum.reduceat(block, starts, axis=axis), np.maximum.reduceat(block, starts, axis=axis)
+    lows = _per_group(block, axis, start, block_size, lambda rows, *_: np.min(rows, axis=1))
+    highs = _per_group(block, axis, start, block_size, lambda rows, *_: np.max(rows, axis=1))
+    return (
+        np.moveaxis(np.concatenate(lows, axis=0), 0, axis),
+        np.moveaxis(np.concatenate(highs, axis=0), 0, axis),
+    )
 
 
 def finish_group_stats(

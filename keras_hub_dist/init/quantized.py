@@ -35,11 +35,11 @@ from keras_hub_dist.errors import QuantizationError
 from keras_hub_dist.formats import host_io
 from keras_hub_dist.formats.base import Index, TensorSource, numpy_dtype
 from keras_hub_dist.formats.quantize import (
-    SlabBuffers,
     TensorQuantizer,
     combine_statistics,
     group_index_source,
     sharding_blocks,
+    slab_buffers,
 )
 from keras_hub_dist.init import initializers
 from keras_hub_dist.plan import quantization
@@ -130,7 +130,7 @@ def initialize_quantized(backbone: keras.Model, created: list[Any], mode: str) -
     initializers.initialize_variables([v for v in created if id(v) not in removed], distribute_all=True)
     mesh = distribution.device_mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape))
-    buffers = SlabBuffers()
+    buffers = slab_buffers()
     for tensor in result.tensors:
         float_variable = tensor.float_variable
         layout = distribution.get_variable_layout(float_variable)

@@ -40,11 +40,11 @@ import keras
 from keras_hub_dist.errors import QuantizationError
 from keras_hub_dist.formats.base import CheckpointIndex, IndexedVariable, numpy_dtype
 from keras_hub_dist.formats.quantize import (
-    SlabBuffers,
     TensorQuantizer,
     combine_statistics,
     group_index_source,
     sharding_blocks,
+    slab_buffers,
 )
 from keras_hub_dist.load.block_plan import LoadPlan
 from keras_hub_dist.plan import quantization
@@ -148,7 +148,7 @@ def quantize_checkpoint(backbone: keras.Model, index: CheckpointIndex, mode: str
     derived: dict[int, Any] = {}
     quantizers: dict[int, TensorQuantizer] = {}
     loaded = QuantizedLoad(index, result, quantizers)
-    buffers = SlabBuffers()
+    buffers = slab_buffers()
     for tensor in result.tensors:
         entry = by_variable[id(tensor.float_variable)]
         quantizer = TensorQuantizer(tensor, entry.source, tensor.float_variable.dtype, buffers)

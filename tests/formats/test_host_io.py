@@ -79,3 +79,21 @@ def test_collector_paused_restores_the_collector_even_on_error():
         assert not gc.isenabled()  # was off before: stays off
     finally:
         gc.enable()
+
+
+def test_scratch_buffers_hand_the_same_memory_to_the_next_lease():
+    buffers = host_io.ScratchBuffers(min_bytes=1 << 20, keep=2)
+    with buffers.lease() as scratch:
+        a = scratch((256, 256), np.float32)  # 256 KiB: gets a 1 MiB buffer
+        b = scratch((300, 1024), np.float32)  # 1.2 MiB
+        assert a.flags.c_contiguous and a.ctypes.data % 64 == 0 and a.dtype == np.float32
+        first = {a.ctypes.data, b.ctypes.data}
+    with buffers.lease() as scratch:
+        # the smallest buffer that fits: the 1 MiB one for a small request
+        c = scratch((1000,), np.int8)
+        d = scratch((1 << 20,), np.int8)
+        assert {c.ctypes.data, d.ctypes.data} == first and c.ctypes.data == a.ctypes.data
+        e = scratch((10,), np.float64)  # none free: a fresh one
+        assert e.ctypes.data not in first
+    assert len(buffers._free) == 2  # at most `keep` held: the largest
+    assert max(x.nbytes for x in buffers._free) == 300 * 1024 * 4

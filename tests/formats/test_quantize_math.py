@@ -98,6 +98,14 @@ def test_int4_groups_along_axis_1_equal_keras_on_the_transpose():
     s, z = qm.group_params(low, high)
     assert s.tobytes() == np.asarray(scale_t).T.copy().tobytes()
     assert qm.group_values(x, 1, 0, 128, s, z).tobytes() == np.asarray(values_t).T.copy().tobytes()
+    # The same statistics from column blocks that cut the first group
+    # (`reduceat` at each block's own group starts), combined.
+    parts = [qm.group_stats(x[:, a:b], 1, a, 128) for a, b in [(0, 5), (5, 130), (130, 140)]]
+    low_split = np.concatenate([np.minimum(parts[0][0], parts[1][0][:, :1]), np.minimum(parts[1][0][:, 1:], parts[2][0])], axis=1)
+    high_split = np.concatenate([np.maximum(parts[0][1], parts[1][1][:, :1]), np.maximum(parts[1][1][:, 1:], parts[2][1])], axis=1)
+    assert [a.shape for a, _ in parts] == [(9, 1), (9, 2), (9, 1)]
+    whole = qm.group_stats(x, 1, 0, 128)
+    assert low_split.tobytes() == whole[0].tobytes() and high_split.tobytes() == whole[1].tobytes()
 
 
 @pytest.mark.parametrize("axis", [0, 1])
@@ -219,7 +227,7 @@ def test_stored_float32_quantized_as_bfloat16_in_reused_scratch(mode, tmp_path, 
     from keras_hub_dist.formats.base import StoredTensor, StoredTensorSource
 
     monkeypatch.setattr(fq, "READ_BYTES", 256 * 4 * 12)  # read 12 columns of 256 float32 rows at a time
-    monkeypatch.setattr(fq, "SLAB_BYTES", 256 * 4 * 4)  # computed 4 at a time
+    monkeypatch.setattr(fq, "SLAB_BYTES", 64 * 4 * 12)  # computed 64 rows (int4: a group of 128) at a time
     x = _values(256, 40, np.float32)
     path = tmp_path / "x.bin"
     path.write_bytes(b"\0" * 16 + x.tobytes())
@@ -233,6 +241,15 @@ def test_stored_float32_quantized_as_bfloat16_in_reused_scratch(mode, tmp_path, 
         rule, scale_shape = Int4Rule((256, 40), 0, 0, 128), (2, 40)
         values, scale, _ = keras.quantizers.abs_max_quantize_grouped_with_zero_point(as_bf16, block_size=128, to_numpy=True)
         expected = [np.asarray(keras.quantizers.pack_int4(values, axis=0)[0]), np.asarray(scale)]
+    slabs = []
+    rounded_rows = fq.TensorQuantizer._rounded_rows
+
+    def counting(self, unit, src, rounded):
+        for rows, block, scratch in rounded_rows(self, unit, src, rounded):
+            slabs.append(rows)
+            yield rows, block, scratch
+
+    monkeypatch.setattr(fq.TensorQuantizer, "_rounded_rows", counting)
     allocations = []
     original = host_io.aligned_empty
     monkeypatch.setattr(host_io, "aligned_empty", lambda *a: allocations.append(a) or original(*a))
@@ -242,7 +259,7 @@ def test_stored_float32_quantized_as_bfloat16_in_reused_scratch(mode, tmp_path, 
     assert got.tobytes() == expected[0].tobytes()
     assert quantizer.scale(tuple((0, d) for d in scale_shape)).tobytes() == expected[1].tobytes()
     units = quantizer._slabs(((0, 256), (0, 40)), fq.READ_BYTES, 1)
-    slabs = sum(len(quantizer._slabs(unit, fq.SLAB_BYTES, 1)) for unit in units)
     scratch = [a for a in allocations if a[1] == np.uint8]
-    assert (len(units), slabs) == (4, 10) and len(scratch) <= 4 * fq.SLAB_THREADS  # not one per slab and step
+    expected_slabs = {"int8": 4 * 3 + 2, "int4": 2 * 4}[mode]  # the last unit is 4 columns wide
+    assert (len(units), len(slabs)) == (4, expected_slabs) and len(scratch) <= 4 * fq.SLAB_THREADS  # not one per slab and step
     assert len(allocations) == len(scratch) + 1  # and the values block: no slab read in fresh memory
