@@ -23,7 +23,10 @@ min` and `round(-min / scale)` give the same values for `+0` and `-0`).
 In-place steps (`out=`) and a bfloat16 block widened to float32 first (by
 `formats.quantize`: every block-sized step of Keras on a bfloat16 kernel is
 a float32 one by NumPy's promotion, and its reductions are exact) compute
-the same values faster.
+the same values faster; so do a rounding and its int8 cast in one ufunc
+call, `reduceat` for groups along the last axis and int4 pairs packed as
+uint16 (each says why where it is used; the tests compare every one with
+Keras's own functions).
 
 Example:
 

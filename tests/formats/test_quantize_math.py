@@ -143,6 +143,18 @@ def _tensor(rule, shape, scale_shape) -> QuantizedTensor:
                            shape, rule, V("l/kernel", shape), V("l/kernel_scale", scale_shape))
 
 
+def _keras_quantized(mode: str, x: np.ndarray, pack_axis: int):
+    """`(rule, scale shape, [values, scale])` of Keras's own quantization of
+    a 2-D `x` (int8 per column; int4 in groups of 128 rows)."""
+    rows, cols = x.shape
+    if mode == "int8":
+        values, scale = keras.quantizers.abs_max_quantize(x, axis=0, to_numpy=True)
+        return Int8Rule((0,), (1,)), (cols,), [np.asarray(values), np.asarray(scale).reshape(cols)]
+    values, scale, _ = keras.quantizers.abs_max_quantize_grouped_with_zero_point(x, block_size=128, to_numpy=True)
+    packed = np.asarray(keras.quantizers.pack_int4(values, axis=pack_axis)[0])
+    return Int4Rule((rows, cols), 0, pack_axis, 128), (-(-rows // 128), cols), [packed, np.asarray(scale)]
+
+
 @pytest.mark.parametrize("slab_bytes", [fq.SLAB_BYTES, 200])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_statistics_combined_across_processes(mode, slab_bytes, monkeypatch):
@@ -151,14 +163,7 @@ def test_statistics_combined_across_processes(mode, slab_bytes, monkeypatch):
     # With 200-byte slabs every block is read and quantized in pieces.
     monkeypatch.setattr(fq, "SLAB_BYTES", slab_bytes)
     x = _values(260, 8, np.float32)
-    if mode == "int8":
-        rule, scale_shape = Int8Rule((0,), (1,)), (8,)
-        values, scale = keras.quantizers.abs_max_quantize(x, axis=0, to_numpy=True)
-        expected = [np.asarray(values), np.asarray(scale).reshape(8)]
-    else:
-        rule, scale_shape = Int4Rule((260, 8), 0, 1, 128), (3, 8)
-        values, scale, zero = keras.quantizers.abs_max_quantize_grouped_with_zero_point(x, block_size=128, to_numpy=True)
-        expected = [np.asarray(keras.quantizers.pack_int4(values, axis=1)[0]), np.asarray(scale)]
+    rule, scale_shape, expected = _keras_quantized(mode, x, pack_axis=1)
     tensor = _tensor(rule, (260, 8), scale_shape)
     shape = fq.TensorQuantizer(tensor, transforms.Constant(x), "float32").values_source().shape
     mine = [((0, 100), (0, shape[1])), ((100, 150), (0, shape[1]))]
@@ -232,15 +237,7 @@ def test_stored_float32_quantized_as_bfloat16_in_reused_scratch(mode, tmp_path, 
     path = tmp_path / "x.bin"
     path.write_bytes(b"\0" * 16 + x.tobytes())
     source = StoredTensorSource(StoredTensor(str(path), 16, x.shape, np.dtype(np.float32)))
-    as_bf16 = x.astype(ml_dtypes.bfloat16)
-    if mode == "int8":
-        rule, scale_shape = Int8Rule((0,), (1,)), (40,)
-        values, scale = keras.quantizers.abs_max_quantize(as_bf16, axis=0, to_numpy=True)
-        expected = [np.asarray(values), np.asarray(scale).reshape(40)]
-    else:
-        rule, scale_shape = Int4Rule((256, 40), 0, 0, 128), (2, 40)
-        values, scale, _ = keras.quantizers.abs_max_quantize_grouped_with_zero_point(as_bf16, block_size=128, to_numpy=True)
-        expected = [np.asarray(keras.quantizers.pack_int4(values, axis=0)[0]), np.asarray(scale)]
+    rule, scale_shape, expected = _keras_quantized(mode, x.astype(ml_dtypes.bfloat16), pack_axis=0)
     slabs = []
     rounded_rows = fq.TensorQuantizer._rounded_rows
 
