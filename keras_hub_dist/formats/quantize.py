@@ -265,10 +265,11 @@ class TensorQuantizer:
         return _map(unit, self._slabs(x_index, READ_BYTES, axis))
 
     def _rounded_rows(self, unit: Index, src: np.ndarray, rounded: bool) -> Any:
-        """Yields `(rows, block)`: `unit` cut along axis 0 into contiguous
-        slabs of about `SLAB_BYTES` (whole groups and pairs where axis 0 is
-        grouped or packed), each slab's values in the compute dtype, in
-        memory the caller may overwrite (`src`'s own rows where it can)."""
+        """Yields `(rows, block, scratch)`: `unit` cut along axis 0 into
+        contiguous slabs of about `SLAB_BYTES` (whole groups and pairs where
+        axis 0 is grouped or packed), each slab's values in the compute
+        dtype, in memory the caller may overwrite (`src`'s own rows where it
+        can), and a lease for more scratch memory while the slab lasts."""
         align = 1
         if isinstance(self.rule, Int4Rule):
             align = math.lcm(self.rule.block_size if self.rule.group_axis == 0 else 1, 2 if self.rule.pack_axis == 0 else 1)
