@@ -255,7 +255,7 @@ def test_stored_float32_quantized_as_bfloat16_in_reused_scratch(mode, tmp_path, 
     got = quantizer.values_source().read(((0, shape[0]), (0, 40)))
     assert got.tobytes() == expected[0].tobytes()
     assert quantizer.scale(tuple((0, d) for d in scale_shape)).tobytes() == expected[1].tobytes()
-    units = quantizer._slabs(((0, 256), (0, 40)), fq.READ_BYTES, 1)
+    units = quantizer._units(((0, 256), (0, 40)))
     scratch = [a for a in allocations if a[1] == np.uint8]
     expected_slabs = {"int8": 4 * 3 + 2, "int4": 2 * 4}[mode]  # the last unit is 4 columns wide
     assert (len(units), len(slabs)) == (4, expected_slabs) and len(scratch) <= 4 * fq.SLAB_THREADS  # not one per slab and step
