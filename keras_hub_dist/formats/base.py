@@ -177,6 +177,14 @@ class TensorSource(abc.ABC):
         """Bytes read from files to produce block `index`."""
         return math.prod(b - a for a, b in index) * self.dtype.itemsize
 
+    def union_read_helps(self, indices: Sequence[Index]) -> bool:
+        """Whether one read of the box these blocks tile, cut into them,
+        beats a read per block (the loader's `"read_union"`): yes for a
+        transform that reads strided runs per block; a source that computes
+        every block from its own bytes alone says no (the cuts are a copy
+        of every byte, on one thread)."""
+        return True
+
 
 class StoredTensorSource(TensorSource):
     """A variable whose values are one stored tensor, as it is."""

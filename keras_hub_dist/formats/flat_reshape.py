@@ -102,7 +102,11 @@ class FlatReshape(TensorSource):
 
 
 def blockwise_reshape(source: TensorSource, shape: Sequence[int]) -> TensorSource:
-    """`transforms.reshape` where it is block-wise, else a `FlatReshape`."""
+    """`transforms.reshape` where it is block-wise, else a `FlatReshape`
+    (under a cast, which `transforms.reshape` would push the whole-tensor
+    fallback under)."""
+    if isinstance(source, transforms.Cast):
+        return transforms.Cast(blockwise_reshape(source.child, shape), source.dtype)
     reshaped = transforms.reshape(source, shape)
     if isinstance(reshaped, transforms.FullTensorFallback):
         return FlatReshape(source, shape)

@@ -6,7 +6,8 @@ places its blocks, and nothing but quantized blocks ever reaches a device.
 For one float tensor (`plan.quantization.QuantizedTensor`) a
 `TensorQuantizer` reads blocks of the float source (cast on the host to the
 float variable's dtype, as stock assigns it), and computes with
-`quantize_math` (Keras's own NumPy steps, bitwise):
+`quantize_kernels` (one compiled pass per unit, bitwise) where they apply,
+else with `quantize_math` (Keras's own NumPy steps, bitwise):
 
 - `values_source()`: the int8 values (int4 values packed two per byte), of
   any block;
@@ -19,7 +20,7 @@ reduced extent (int8: `max |x|` over the reduced axes; int4: per-group `min`
 them itself and keeps them for the scale and zero (small: one per channel or
 group); the scale and zero read them from there, or compute them from the
 float tensor if no values block did. Where the layout splits the reduced
-extent across devices (row-parallel projections), `combine_statistics` runs
+extent across devices (row-parallel projections), `quantize_combine` runs
 first: each process reads its own blocks once, reduces them on the host to
 partial statistics, and one small collective (`np.maximum` over processes of
 a vector, never the kernel) completes them on every process.
@@ -42,12 +43,10 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
-from keras_hub_dist import _processes
-from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats import host_io, transforms
+from keras_hub_dist.formats import quantize_kernels as qk
 from keras_hub_dist.formats import quantize_math as qm
 from keras_hub_dist.formats.base import Index, TensorSource, numpy_dtype
 from keras_hub_dist.formats.flat_reshape import blockwise_reshape
@@ -63,9 +62,7 @@ __all__ = [
     "READ_BYTES",
     "SLAB_BYTES",
     "TensorQuantizer",
-    "combine_statistics",
     "group_index_source",
-    "sharding_blocks",
     "slab_buffers",
 ]
 
@@ -136,6 +133,13 @@ class _Derived(TensorSource):
     def read_nbytes(self, index: Index) -> int:
         return self.quantizer.read_nbytes(self.part, tuple(index))
 
+    def union_read_helps(self, indices: Sequence[Index]) -> bool:
+        """Values blocks that each hold their channels' whole reduced extent
+        are computed as fast one by one (in parallel); a union helps blocks
+        that split it (the statistics then come from one read, no
+        `combine_statistics`)."""
+        return self.part != "values" or self.quantizer.splits(indices)
+
 
 class TensorQuantizer:
     """Computes the quantized variables of one float tensor, block by block.
@@ -159,10 +163,13 @@ class TensorQuantizer:
         # bfloat16 is computed in float32 (`_widen`)
         self.compute_dtype = np.dtype(np.float32) if self.float_dtype == _BFLOAT16 else self.float_dtype
         self.buffers = buffers if buffers is not None else slab_buffers()
-        x = source if np.dtype(source.dtype) == self.float_dtype else transforms.Cast(source, self.float_dtype)
-        if isinstance(self.rule, Int4Rule) and tuple(x.shape) != tuple(self.rule.matrix):
-            x = blockwise_reshape(x, self.rule.matrix)
-        self.x = x
+        raw = source
+        if isinstance(self.rule, Int4Rule) and tuple(raw.shape) != tuple(self.rule.matrix):
+            raw = blockwise_reshape(raw, self.rule.matrix)
+        # Where `x` (the float tensor or int4 matrix) is a stored tensor's
+        # bytes as they are, blocks are read straight into scratch memory.
+        self.stored = raw.stored if raw.stored is not None and tuple(raw.stored.shape) == tuple(raw.shape) else None
+        self.x = raw if np.dtype(raw.dtype) == self.float_dtype else transforms.Cast(raw, self.float_dtype)
         self._lock = threading.Lock()
         self._global: tuple[np.ndarray, ...] | None = None
         self._cache: list[tuple[Index, tuple[np.ndarray, ...]]] = []
@@ -308,9 +315,8 @@ class TensorQuantizer:
     def _read_raw(self, x_index: Index, scratch: Any) -> np.ndarray:
         """A block of `x` as read: a stored tensor's, straight into scratch
         memory, in its dtype; else in the float dtype, fresh."""
-        stored = self.source.stored
-        if stored is not None and tuple(stored.shape) == tuple(self.x.shape):
-            return stored.read(x_index, out=scratch(tuple(b - a for a, b in x_index), stored.dtype))
+        if self.stored is not None:
+            return self.stored.read(x_index, out=scratch(tuple(b - a for a, b in x_index), self.stored.dtype))
         return self.x.read(x_index)
 
     def _widen(self, raw: np.ndarray, scratch: Any, into: np.ndarray | None = None) -> np.ndarray:
@@ -334,12 +340,45 @@ class TensorQuantizer:
     def _reduce(self, x_index: Index, block: np.ndarray) -> tuple[np.ndarray, ...]:
         """Statistics of a block, in the float dtype (what Keras reduces in;
         the block may hold the values before their rounding to it)."""
-        if isinstance(self.rule, Int8Rule):
-            stats = (qm.abs_max(block, self.rule.reduced),)
-        else:
-            g = self.rule.group_axis
-            stats = qm.group_stats(block, g, x_index[g][0], self.rule.block_size)
+        stats = self._kernel_reduce(x_index, block)
+        if stats is None:
+            if isinstance(self.rule, Int8Rule):
+                stats = (qm.abs_max(block, self.rule.reduced),)
+            else:
+                g = self.rule.group_axis
+                stats = qm.group_stats(block, g, x_index[g][0], self.rule.block_size)
         return tuple(s.astype(self.float_dtype, copy=False) for s in stats)
+
+    def _matrix(self, block: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """`(block as a 2-D matrix, its reduced axis)` for the kernels
+        (`quantize_kernels`): int4's matrix and group axis; an int8 block
+        whose reduced axes lead or trail, C-order reshaped; else `None`."""
+        if isinstance(self.rule, Int4Rule):
+            return (block, self.rule.group_axis) if self.rule.block_size and qk.supported(block) else None
+        reduced, ndim = sorted(self.rule.reduced), block.ndim
+        if not reduced or not block.flags.c_contiguous:
+            return None
+        if reduced == list(range(len(reduced))):
+            matrix, axis = block.reshape(math.prod(block.shape[: len(reduced)]), -1), 0
+        elif reduced == list(range(ndim - len(reduced), ndim)):
+            matrix, axis = block.reshape(-1, math.prod(block.shape[ndim - len(reduced) :])), 1
+        else:
+            return None
+        return (matrix, axis) if qk.supported(matrix) else None
+
+    def _kernel_reduce(self, x_index: Index, block: np.ndarray) -> tuple[np.ndarray, ...] | None:
+        """`_reduce`'s statistics (before their rounding) by the kernels,
+        or `None` where they do not apply (or the block holds a NaN)."""
+        matrix = self._matrix(block)
+        if matrix is None:
+            return None
+        if isinstance(self.rule, Int4Rule):
+            g = self.rule.group_axis
+            return qk.int4_stats(block, g, x_index[g][0], self.rule.block_size)
+        top = qk.int8_abs_max(*matrix)
+        if top is None:
+            return None
+        return (top.reshape([1 if a in self.rule.reduced else d for a, d in enumerate(block.shape)]),)
 
     def partial_statistics(self, x_index: Index) -> tuple[Index, tuple[np.ndarray, ...]]:
         """`(stats box, arrays)` of block `x_index` of `x`, reduced over the
@@ -414,6 +453,8 @@ class TensorQuantizer:
                 part = self._finish(unit_box, self._reduce(unit, src))
             else:
                 part = tuple(s[_slices(unit_box, box)] for s in stats)
+            if self._kernel_values(unit, src, rounded, part, out[_slices(self._values_index(unit), index)]):
+                return part
             for rows, block, scratch in self._rounded_rows(unit, src, rounded):
                 rows_part = tuple(p[_slices(self._stats_box(rows), unit_box)] for p in part)
                 self._quantize(rows, block, rows_part, out[_slices(self._values_index(rows), index)], scratch)
@@ -432,6 +473,37 @@ class TensorQuantizer:
         out = list(x_index)
         out[axis] = (x_index[axis][0] // 2, -(-x_index[axis][1] // 2))
         return tuple(out)
+
+    def _kernel_values(
+        self, unit: Index, src: np.ndarray, rounded: bool, stats: tuple[np.ndarray, ...], out: np.ndarray
+    ) -> bool:
+        """Writes the values of unit `unit` (`src`, rounded to the float
+        dtype by the kernel where not `rounded`) to `out` with the kernels,
+        if they apply: a float32 matrix, finite statistics (so finite
+        values), float32 parameters. Returns whether it did."""
+        matrix = self._matrix(src)
+        round_bf16 = not rounded
+        if matrix is None or (round_bf16 and self.float_dtype != _BFLOAT16):
+            return False
+        if not all(np.isfinite(s).all() for s in stats):
+            return False
+        if isinstance(self.rule, Int4Rule):
+            scale, zero = qm.group_params(*stats)
+            if scale.dtype != np.float32 or zero.dtype != np.float32:
+                return False
+            g = self.rule.group_axis
+            qk.int4_values(src, round_bf16, g, unit[g][0], self.rule.block_size, scale, zero, self.rule.pack_axis, out)
+            return True
+        scale = qm.int8_scale(stats[0])
+        if scale.dtype != np.float32:
+            return False
+        target = out.view()
+        try:
+            target.shape = matrix[0].shape  # no copy: a view of the values block
+        except AttributeError:
+            return False
+        qk.int8_values(matrix[0], round_bf16, scale, matrix[1], target)
+        return True
 
     def _quantize(
         self, x_index: Index, block: np.ndarray, stats: tuple[np.ndarray, ...], out: np.ndarray, scratch: Any
@@ -483,66 +555,9 @@ class TensorQuantizer:
         return _Derived(self, "zero", scale_shape(self.tensor), dtype)
 
 
-def sharding_blocks(sharding: Any, shape: Sequence[int], local: bool = False, distinct: bool = True) -> list[Index]:
-    """The blocks a `jax.sharding.Sharding` cuts `shape` into, per device
-    (this process's devices only with `local=True`), in device order; each
-    block once with `distinct=True`."""
-    shape = tuple(int(d) for d in shape)
-    by_device = sharding.addressable_devices_indices_map(shape) if local else sharding.devices_indices_map(shape)
-    blocks = [
-        tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(slices, shape))
-        for slices in by_device.values()
-    ]
-    return list(dict.fromkeys(blocks)) if distinct else blocks
-
-
 def group_index_source(tensor: QuantizedTensor) -> TensorSource:
     """Keras's `g_idx`: each row's group, float32 (`floor_divide(arange, block)`)."""
     rule = tensor.rule
     rows = rule.matrix[rule.group_axis]
     value = np.floor_divide(np.arange(rows, dtype=np.float32), rule.block_size)
     return transforms.Constant(value, f"g_idx of {tensor.layer_path}")
-
-
-def combine_statistics(work: Sequence[tuple[TensorQuantizer, Sequence[Index]]]) -> None:
-    """Completes the statistics of tensors whose reduced extent the layout
-    splits: each process reduces its own values blocks (`Index`es of the
-    values variable) on the host, then one collective takes the element-wise
-    maximum over processes of every partial statistic (minima negated), a
-    few floats per channel. Every process must pass the same tensors in the
-    same order (a global property of the layout); each reads only its
-    blocks."""
-    partials: list[tuple[np.ndarray, ...]] = []
-    error = None
-    try:
-        for quantizer, indices in work:
-            shape = quantizer.stats_shape
-            signs = (1,) if isinstance(quantizer.rule, Int8Rule) else (-1, 1)
-            wide = np.promote_types(quantizer.float_dtype, np.float32)  # exact
-            acc = [np.full(shape, -np.inf, dtype=wide) for _ in signs]
-            for index in indices:
-                box, stats = quantizer.partial_statistics(quantizer.x_index(index))
-                where = _slices(box, _full(shape))
-                for a, s, sign in zip(acc, stats, signs):
-                    np.maximum(a[where], sign * s.astype(wide), out=a[where])
-            partials.append(tuple(acc))
-    except Exception as e:  # noqa: BLE001 - every process must hear of it
-        if jax.process_count() == 1:
-            raise
-        error = f"{type(e).__name__}: {e}"
-    if jax.process_count() > 1:
-        # A process that failed would leave the others in the collective.
-        _processes.check_all(error, PresetError, "Reading the quantization statistics failed")
-    if not partials:
-        return
-    flat = np.concatenate([a.reshape(-1) for arrays in partials for a in arrays])
-    flat = _processes.max_over_processes(flat)
-    offset = 0
-    for (quantizer, _), arrays in zip(work, partials):
-        signs = (1,) if isinstance(quantizer.rule, Int8Rule) else (-1, 1)
-        out = []
-        for a, sign in zip(arrays, signs):
-            size = math.prod(a.shape)
-            out.append((sign * flat[offset : offset + size].reshape(a.shape)).astype(quantizer.float_dtype))
-            offset += size
-        quantizer.set_statistics(tuple(out))

@@ -392,7 +392,7 @@ def reshape(source: TensorSource, shape: Sequence[int]) -> TensorSource:
         )
     if shape == tuple(source.shape):
         return source
-    if source.stored is not None and type(source) is StoredTensorSource:
+    if source.stored is not None and tuple(source.stored.shape) == tuple(source.shape):  # its bytes exactly
         return view(source.stored, shape, source.description)
     if isinstance(source, Cast):
         return Cast(reshape(source.child, shape), source.dtype)

@@ -32,15 +32,10 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import QuantizationError
-from keras_hub_dist.formats import host_io
+from keras_hub_dist.formats import host_io, quantize_kernels
 from keras_hub_dist.formats.base import Index, TensorSource, numpy_dtype
-from keras_hub_dist.formats.quantize import (
-    TensorQuantizer,
-    combine_statistics,
-    group_index_source,
-    sharding_blocks,
-    slab_buffers,
-)
+from keras_hub_dist.formats.quantize import TensorQuantizer, group_index_source, slab_buffers
+from keras_hub_dist.formats.quantize_combine import combine_statistics, sharding_blocks
 from keras_hub_dist.init import initializers
 from keras_hub_dist.plan import quantization
 from keras_hub_dist.plan.quantized_layouts import quantized_axes
@@ -125,6 +120,7 @@ def initialize_quantized(backbone: keras.Model, created: list[Any], mode: str) -
         initializers.initialize_variables(created, distribute_all=True)
         backbone.quantize(mode)
         return
+    quantize_kernels.prepare()
     result = quantization.quantize_without_values(backbone, mode)
     removed = {id(v) for v in result.removed} | {id(v) for v in result.created}
     initializers.initialize_variables([v for v in created if id(v) not in removed], distribute_all=True)

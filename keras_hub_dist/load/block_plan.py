@@ -313,9 +313,10 @@ def _read_index(block: Block) -> Index:
 
 def _choose_strategy(source: TensorSource, blocks: Sequence[Block]) -> tuple[str, int, Index | None]:
     if source.stored is None:
-        box = _tiled_box([_read_index(b) for b in blocks])
+        indices = [_read_index(b) for b in blocks]
+        box = _tiled_box(indices)
         box_bytes = math.prod(b - a for a, b in box) * np.dtype(source.dtype).itemsize if box else 0
-        if box is not None and box_bytes <= UNION_MAX_BYTES:
+        if box is not None and box_bytes <= UNION_MAX_BYTES and source.union_read_helps(indices):
             return "read_union", source.read_nbytes(box), box
         return "read", sum(source.read_nbytes(_read_index(b)) for b in blocks), None
     needed = sum(b.runs.nbytes for b in blocks)

@@ -54,7 +54,7 @@ import keras
 
 from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
-from keras_hub_dist.formats import checksums, host_io
+from keras_hub_dist.formats import checksums, host_io, quantize_kernels
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.locations import Location, is_remote, open_location
@@ -287,6 +287,8 @@ def _load_from(
     mesh, layout_map, model_axis, data_axis = (
         options.mesh, options.layout_map, options.model_axis, options.data_axis
     )
+    if mode is not None:
+        quantize_kernels.prepare()
     # A remote load's reads wait on the network: more of them run ahead.
     read_ahead = options.num_threads if client is None else max(options.num_threads, options.concurrency)
     config = read_config(location)

@@ -39,13 +39,8 @@ import keras
 
 from keras_hub_dist.errors import QuantizationError
 from keras_hub_dist.formats.base import CheckpointIndex, IndexedVariable, numpy_dtype
-from keras_hub_dist.formats.quantize import (
-    TensorQuantizer,
-    combine_statistics,
-    group_index_source,
-    sharding_blocks,
-    slab_buffers,
-)
+from keras_hub_dist.formats.quantize import TensorQuantizer, group_index_source, slab_buffers
+from keras_hub_dist.formats.quantize_combine import combine_statistics, sharding_blocks
 from keras_hub_dist.load.block_plan import LoadPlan
 from keras_hub_dist.plan import quantization
 from keras_hub_dist.plan.layouts import ReportingLayoutMap

@@ -18,6 +18,7 @@ from keras_hub_dist import _processes
 from keras_hub_dist.formats import quantize as fq
 from keras_hub_dist.formats import quantize_math as qm
 from keras_hub_dist.formats import transforms
+from keras_hub_dist.formats.quantize_combine import combine_statistics
 from keras_hub_dist.formats.flat_reshape import FlatReshape, blockwise_reshape, flat_boxes
 from keras_hub_dist.plan.quantization import Int4Rule, Int8Rule, QuantizedTensor
 
@@ -171,10 +172,10 @@ def test_statistics_combined_across_processes(mode, slab_bytes, monkeypatch):
     other = fq.TensorQuantizer(tensor, transforms.Constant(x), "float32")
     gathered = {}
     monkeypatch.setattr(_processes, "max_over_processes", lambda v: gathered.setdefault("v", v))
-    fq.combine_statistics([(other, theirs)])
+    combine_statistics([(other, theirs)])
     monkeypatch.setattr(_processes, "max_over_processes", lambda v: np.maximum(v, gathered["v"]))
     quantizer = fq.TensorQuantizer(tensor, transforms.Constant(x), "float32")
-    fq.combine_statistics([(quantizer, mine)])
+    combine_statistics([(quantizer, mine)])
     got = np.concatenate([quantizer.values(index) for index in mine + theirs], axis=0)
     assert got.tobytes() == expected[0].tobytes()
     assert quantizer.scale(tuple((0, d) for d in scale_shape)).tobytes() == expected[1].tobytes()
@@ -223,14 +224,19 @@ def test_in_place_and_strided_outputs_give_the_same_bits(dtype):
         assert target.tobytes() == np.asarray(keras.quantizers.pack_int4(expected, axis=axis)[0]).tobytes()
 
 
+@pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_stored_float32_quantized_as_bfloat16_in_reused_scratch(mode, tmp_path, monkeypatch):
+def test_stored_float32_quantized_as_bfloat16_in_reused_scratch(mode, kernels, tmp_path, monkeypatch):
     # A float32 checkpoint tensor loaded as bfloat16 and quantized: read
     # straight into scratch memory, rounded to bfloat16 as stock's assign
-    # does, and quantized to Keras's bits; many slabs share a few buffers.
+    # does, and quantized to Keras's bits, by the kernels (a unit at once)
+    # or by quantize_math's steps (slab by slab, many slabs sharing a few
+    # buffers).
     from keras_hub_dist.formats import host_io
     from keras_hub_dist.formats.base import StoredTensor, StoredTensorSource
 
+    if not kernels:
+        monkeypatch.setattr(fq.qk, "supported", lambda block: False)
     monkeypatch.setattr(fq, "READ_BYTES", 256 * 4 * 12)  # read 12 columns of 256 float32 rows at a time
     monkeypatch.setattr(fq, "SLAB_BYTES", 64 * 4 * 12)  # computed 64 rows (int4: a group of 128) at a time
     x = _values(256, 40, np.float32)
@@ -257,6 +263,6 @@ def test_stored_float32_quantized_as_bfloat16_in_reused_scratch(mode, tmp_path, 
     assert quantizer.scale(tuple((0, d) for d in scale_shape)).tobytes() == expected[1].tobytes()
     units = quantizer._units(((0, 256), (0, 40)))
     scratch = [a for a in allocations if a[1] == np.uint8]
-    expected_slabs = {"int8": 4 * 3 + 2, "int4": 2 * 4}[mode]  # the last unit is 4 columns wide
+    expected_slabs = {"int8": 4 * 3 + 2, "int4": 2 * 4}[mode] if not kernels else 0  # the last unit is 4 columns wide
     assert (len(units), len(slabs)) == (4, expected_slabs) and len(scratch) <= 4 * fq.SLAB_THREADS  # not one per slab and step
     assert len(allocations) == len(scratch) + 1  # and the values block: no slab read in fresh memory
