@@ -111,8 +111,13 @@ class ByteRuns:
         """Yields `(file_offset, length)` per run, in buffer order."""
         if not self.run_bytes:
             return
-        for k in np.ndindex(*self.counts):
-            yield self.offset + sum(i * s for i, s in zip(k, self.strides)), self.run_bytes
+        # The offsets at once (a block read as a column strip is one run per
+        # row: tens of thousands of them, 8 us each by `np.ndindex`).
+        offsets = np.array(self.offset, dtype=np.int64)
+        for count, stride in zip(self.counts, self.strides):
+            offsets = np.add.outer(offsets, np.arange(count, dtype=np.int64) * stride)
+        for offset in offsets.reshape(-1).tolist():
+            yield offset, self.run_bytes
 
 
 def byte_runs(shape: Sequence[int], itemsize: int, index: Index, offset: int) -> ByteRuns:
@@ -329,9 +334,13 @@ def preadv_full(fd: int, buffers: list[memoryview], offset: int) -> int:
         PresetError: The file ended before every buffer was filled.
     """
     total = sum(len(b) for b in buffers)
-    done = 0
-    calls = 0
-    pending = buffers
+    if not total:
+        return 0
+    # Most reads fill their buffers at once (a block read as a column strip
+    # is one call per row: this is the hot path); short ones resume below.
+    done = os.preadv(fd, buffers, offset)
+    calls = 1
+    pending = _after(buffers, done) if done > 0 else buffers  # nothing read: the loop says why
     while pending:
         n = os.preadv(fd, pending, offset + done)
         calls += 1

@@ -349,33 +349,29 @@ class TensorQuantizer:
                 stats = qm.group_stats(block, g, x_index[g][0], self.rule.block_size)
         return tuple(s.astype(self.float_dtype, copy=False) for s in stats)
 
-    def _matrix(self, block: np.ndarray) -> tuple[np.ndarray, int] | None:
-        """`(block as a 2-D matrix, its reduced axis)` for the kernels
-        (`quantize_kernels`): int4's matrix and group axis; an int8 block
-        whose reduced axes lead or trail, C-order reshaped; else `None`."""
+    def _kernel_view(self, block: np.ndarray) -> np.ndarray | None:
+        """`block` as the kernels (`quantize_kernels`) take it, or `None`:
+        int4's matrix; an int8 block whose reduced axes are one run, viewed
+        as (the axes before, the run, the axes after)."""
         if isinstance(self.rule, Int4Rule):
-            return (block, self.rule.group_axis) if self.rule.block_size and qk.supported(block) else None
-        reduced, ndim = sorted(self.rule.reduced), block.ndim
-        if not reduced or not block.flags.c_contiguous:
+            return block if self.rule.block_size and qk.supported(block) else None
+        reduced = sorted(self.rule.reduced)
+        if not reduced or reduced[-1] - reduced[0] + 1 != len(reduced) or not block.flags.c_contiguous:
             return None
-        if reduced == list(range(len(reduced))):
-            matrix, axis = block.reshape(math.prod(block.shape[: len(reduced)]), -1), 0
-        elif reduced == list(range(ndim - len(reduced), ndim)):
-            matrix, axis = block.reshape(-1, math.prod(block.shape[ndim - len(reduced) :])), 1
-        else:
-            return None
-        return (matrix, axis) if qk.supported(matrix) else None
+        shape, start, stop = block.shape, reduced[0], reduced[-1] + 1
+        run = block.reshape(math.prod(shape[:start]), math.prod(shape[start:stop]), math.prod(shape[stop:]))
+        return run if qk.supported(run, ndim=3) else None
 
     def _kernel_reduce(self, x_index: Index, block: np.ndarray) -> tuple[np.ndarray, ...] | None:
         """`_reduce`'s statistics (before their rounding) by the kernels,
         or `None` where they do not apply (or the block holds a NaN)."""
-        matrix = self._matrix(block)
-        if matrix is None:
+        view = self._kernel_view(block)
+        if view is None:
             return None
         if isinstance(self.rule, Int4Rule):
             g = self.rule.group_axis
-            return qk.int4_stats(block, g, x_index[g][0], self.rule.block_size)
-        top = qk.int8_abs_max(*matrix)
+            return qk.int4_stats(view, g, x_index[g][0], self.rule.block_size)
+        top = qk.int8_abs_max_run(view)
         if top is None:
             return None
         return (top.reshape([1 if a in self.rule.reduced else d for a, d in enumerate(block.shape)]),)
@@ -481,9 +477,9 @@ class TensorQuantizer:
         dtype by the kernel where not `rounded`) to `out` with the kernels,
         if they apply: a float32 matrix, finite statistics (so finite
         values), float32 parameters. Returns whether it did."""
-        matrix = self._matrix(src)
+        view = self._kernel_view(src)
         round_bf16 = not rounded
-        if matrix is None or (round_bf16 and self.float_dtype != _BFLOAT16):
+        if view is None or (round_bf16 and self.float_dtype != _BFLOAT16):
             return False
         if not all(np.isfinite(s).all() for s in stats):
             return False
@@ -492,17 +488,17 @@ class TensorQuantizer:
             if scale.dtype != np.float32 or zero.dtype != np.float32:
                 return False
             g = self.rule.group_axis
-            qk.int4_values(src, round_bf16, g, unit[g][0], self.rule.block_size, scale, zero, self.rule.pack_axis, out)
+            qk.int4_values(view, round_bf16, g, unit[g][0], self.rule.block_size, scale, zero, self.rule.pack_axis, out)
             return True
         scale = qm.int8_scale(stats[0])
-        if scale.dtype != np.float32:
-            return False
         target = out.view()
         try:
-            target.shape = matrix[0].shape  # no copy: a view of the values block
+            target.shape = view.shape  # no copy: a view of the values block
         except AttributeError:
             return False
-        qk.int8_values(matrix[0], round_bf16, scale, matrix[1], target)
+        if scale.dtype != np.float32:
+            return False
+        qk.int8_values_run(view, round_bf16, scale.reshape(view.shape[0], 1, view.shape[2]), target)
         return True
 
     def _quantize(

@@ -45,7 +45,10 @@ import numpy as np
 
 from keras_hub_dist.formats import quantize_math as qm
 
-__all__ = ["int4_stats", "int4_values", "int8_abs_max", "int8_values", "prepare", "supported"]
+__all__ = [
+    "int4_stats", "int4_values", "int8_abs_max", "int8_abs_max_run", "int8_values", "int8_values_run",
+    "prepare", "supported",
+]
 
 # Keys of the float32 infinities (see the module doc): a statistic beyond them is a NaN.
 _KEY_NEG_INF = int(np.array([0xFF800000], np.uint32).view(np.int32)[0] ^ 0x7FFFFFFF)
@@ -53,9 +56,10 @@ _KEY_POS_INF = 0x7F800000
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
-def supported(block: np.ndarray) -> bool:
-    """Whether the kernels take `block` as it is (2-D C-contiguous float32)."""
-    return block.dtype == np.float32 and block.ndim == 2 and block.flags.c_contiguous
+def supported(block: np.ndarray, ndim: int = 2) -> bool:
+    """Whether the kernels take `block` as it is (C-contiguous float32 of
+    `ndim` axes)."""
+    return block.dtype == np.float32 and block.ndim == ndim and block.flags.c_contiguous
 
 
 def _floats(keys: np.ndarray) -> np.ndarray:
@@ -159,3 +163,31 @@ def int8_values(x: np.ndarray, round_bf16: bool, scale: np.ndarray, axis: int, o
     scale = np.ascontiguousarray(scale, np.float32).reshape(-1)  # as warmed
     lo, hi = (np.float32(v) for v in qm.INT8_RANGE)
     _kernels().int8_values(x.view(np.uint32), round_bf16, scale, axis == 0, lo, hi, out)
+
+
+def int8_abs_max_run(x: np.ndarray) -> np.ndarray | None:
+    """`quantize_math.abs_max(x, (1,))` of `x` (float32, 3-D: the axes
+    before the reduced run, the run, the axes after it; C-contiguous),
+    keepdims; `None` if `x` holds a NaN."""
+    a, b, c = x.shape
+    if c == 1:  # reduced axes trail (an embedding table: per row)
+        top = int8_abs_max(x.reshape(a, b), 1)
+        return None if top is None else top.reshape(a, 1, 1)
+    tops = []
+    for matrix in x:  # e.g. an attention kernel (heads, hidden, head_dim)
+        top = int8_abs_max(matrix, 0)
+        if top is None:
+            return None
+        tops.append(top)
+    return np.stack(tops)
+
+
+def int8_values_run(x: np.ndarray, round_bf16: bool, scale: np.ndarray, out: np.ndarray) -> None:
+    """`int8_values` of `x` as `int8_abs_max_run` takes it, for its keepdims
+    float32 `scale`, into `out` (int8, `x`'s shape, any strides)."""
+    a, b, c = x.shape
+    if c == 1:
+        int8_values(x.reshape(a, b), round_bf16, scale.reshape(a), 1, out[:, :, 0])
+        return
+    for i in range(a):
+        int8_values(x[i], round_bf16, scale[i], 0, out[i])

@@ -108,12 +108,43 @@ def test_int8_kernels_equal_keras(axis, to_bf16):
     assert not out[:, :5].any() and not out[:, 45:].any()
 
 
+@pytest.mark.parametrize("to_bf16", [True, False])
+@pytest.mark.parametrize("axes", [(1,), (0, 1), (2,), (1, 2)])
+def test_int8_kernels_on_a_run_of_reduced_axes_equal_keras(axes, to_bf16):
+    # An EinsumDense kernel (heads, hidden, head_dim) reduces its middle
+    # axis; others lead or trail. The kernels take the block viewed as
+    # (axes before, reduced run, axes after).
+    x = _hard_values(4 * 40, 6).reshape(4, 40, 6)
+    float_dtype = BF16 if to_bf16 else np.float32
+    values, scale = keras.quantizers.abs_max_quantize(x.astype(float_dtype), axis=axes, to_numpy=True)
+    start, stop = axes[0], axes[-1] + 1
+    run = x.reshape(int(np.prod(x.shape[:start])), int(np.prod(x.shape[start:stop])), int(np.prod(x.shape[stop:])))
+    keepdims = [1 if a in axes else d for a, d in enumerate(x.shape)]
+    top = qk.int8_abs_max_run(run).reshape(keepdims)
+    assert top.tobytes() == qm.abs_max(x, axes).tobytes()
+    ours_scale = qm.int8_scale(top.astype(float_dtype))
+    assert ours_scale.astype(float_dtype).tobytes() == np.asarray(scale).tobytes()
+    out = np.zeros((4, 40, 9), np.int8)
+    target = out[:, :, 2:8]  # a strided view, as a unit's part of a values block is
+    view = target.view()
+    try:
+        view.shape = run.shape  # as the quantizer views it: never a copy
+    except AttributeError:  # the trailing run of a strided view: contiguous memory then
+        out, target = np.zeros((4, 40, 6), np.int8), None
+        view = out.reshape(run.shape)
+    qk.int8_values_run(run, to_bf16, ours_scale.reshape(run.shape[0], 1, run.shape[2]), view)
+    got = out if target is None else target
+    assert got.tobytes() == np.asarray(values).tobytes()
+    assert target is None or (not out[:, :, :2].any() and not out[:, :, 8:].any())
+
+
 def test_a_nan_leaves_the_kernels():
     x = _hard_values(130, 8)
     x[129, 4] = np.nan
     for axis in (0, 1):
         assert qk.int4_stats(x, axis, 0, 128) is None
         assert qk.int8_abs_max(x, axis) is None
+    assert qk.int8_abs_max_run(x.reshape(2, 65, 8)) is None
     x[129, 4] = -np.nan  # the sign bit set: below every key
     assert qk.int4_stats(x, 0, 0, 128) is None
 

@@ -236,7 +236,7 @@ def test_stored_float32_quantized_as_bfloat16_in_reused_scratch(mode, kernels, t
     from keras_hub_dist.formats.base import StoredTensor, StoredTensorSource
 
     if not kernels:
-        monkeypatch.setattr(fq.qk, "supported", lambda block: False)
+        monkeypatch.setattr(fq.qk, "supported", lambda block, ndim=2: False)
     monkeypatch.setattr(fq, "READ_BYTES", 256 * 4 * 12)  # read 12 columns of 256 float32 rows at a time
     monkeypatch.setattr(fq, "SLAB_BYTES", 64 * 4 * 12)  # computed 64 rows (int4: a group of 128) at a time
     x = _values(256, 40, np.float32)
