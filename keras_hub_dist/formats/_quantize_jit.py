@@ -20,7 +20,6 @@ _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds
 _INT32_MIN, _INT32_MAX = np.int32(-(2**31)), np.int32(2**31 - 1)
 
 
-
 @_jit
 def row_floats(bits, round_bf16, out_bits):
     """A row of float32 bits, rounded to bfloat16 if asked, into `out_bits`."""

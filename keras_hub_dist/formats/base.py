@@ -58,6 +58,8 @@ __all__ = [
     "TensorSource",
     "byte_runs",
     "compatible_dtypes",
+    "full_index",
+    "index_slices",
     "is_float",
     "listing",
     "numpy_dtype",
@@ -72,6 +74,16 @@ def listing(items: Sequence[str]) -> str:
     shown = list(items[:_MAX_LISTED])
     more = len(items) - len(shown)
     return "\n  " + "\n  ".join(shown) + (f"\n  ... and {more} more" if more > 0 else "")
+
+
+def full_index(shape: Sequence[int]) -> Index:
+    """The block of a whole array of `shape`."""
+    return tuple((0, int(d)) for d in shape)
+
+
+def index_slices(index: Index, origin: Index) -> tuple[slice, ...]:
+    """Slices of block `index` inside an array that holds block `origin`."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(index, origin))
 
 
 def numpy_dtype(dtype: Any) -> np.dtype:

@@ -48,7 +48,7 @@ import numpy as np
 from keras_hub_dist.formats import host_io, transforms
 from keras_hub_dist.formats import quantize_kernels as qk
 from keras_hub_dist.formats import quantize_math as qm
-from keras_hub_dist.formats.base import Index, TensorSource, numpy_dtype
+from keras_hub_dist.formats.base import Index, TensorSource, full_index, index_slices, numpy_dtype
 from keras_hub_dist.formats.flat_reshape import blockwise_reshape
 from keras_hub_dist.plan.quantization import (
     Int4Rule,
@@ -79,14 +79,6 @@ SLAB_BYTES = 8 << 20
 # a block; a union of blocks, read in one call, still uses the cores).
 SLAB_THREADS = min(8, os.cpu_count() or 1)
 _BFLOAT16 = numpy_dtype("bfloat16")
-
-
-def _full(shape: Sequence[int]) -> Index:
-    return tuple((0, int(d)) for d in shape)
-
-
-def _slices(index: Index, origin: Index) -> tuple[slice, ...]:
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(index, origin))
 
 
 def _intersection(a: Index, b: Index) -> Index | None:
@@ -391,13 +383,13 @@ class TensorQuantizer:
     def set_statistics(self, stats: tuple[np.ndarray, ...]) -> None:
         """Complete statistics of the whole tensor (`combine_statistics`)."""
         with self._lock:
-            self._global = self._finish(_full(self.stats_shape), stats)
+            self._global = self._finish(full_index(self.stats_shape), stats)
 
     def _statistics(self, box: Index) -> tuple[np.ndarray, ...]:
         """Complete statistics for `box`: global, cached, else computed."""
         with self._lock:
             if self._global is not None:
-                return tuple(s[_slices(box, _full(self.stats_shape))] for s in self._global)
+                return tuple(s[index_slices(box, full_index(self.stats_shape))] for s in self._global)
             kept = self._from_cache(box)
         if kept is not None:
             return kept
@@ -417,8 +409,8 @@ class TensorQuantizer:
         out = tuple(np.empty(shape, a.dtype) for a in parts[0][2])
         for part, cached_box, arrays in parts:
             for o, a in zip(out, arrays):
-                o[_slices(part, box)] = a[_slices(part, cached_box)]
-            covered[_slices(part, box)] = True
+                o[index_slices(part, box)] = a[index_slices(part, cached_box)]
+            covered[index_slices(part, box)] = True
         return out if covered.all() else None
 
     def _remember(self, box: Index, stats: tuple[np.ndarray, ...]) -> None:
@@ -448,12 +440,12 @@ class TensorQuantizer:
             if local:
                 part = self._finish(unit_box, self._reduce(unit, src))
             else:
-                part = tuple(s[_slices(unit_box, box)] for s in stats)
-            if self._kernel_values(unit, src, rounded, part, out[_slices(self._values_index(unit), index)]):
+                part = tuple(s[index_slices(unit_box, box)] for s in stats)
+            if self._kernel_values(unit, src, rounded, part, out[index_slices(self._values_index(unit), index)]):
                 return part
             for rows, block, scratch in self._rounded_rows(unit, src, rounded):
-                rows_part = tuple(p[_slices(self._stats_box(rows), unit_box)] for p in part)
-                self._quantize(rows, block, rows_part, out[_slices(self._values_index(rows), index)], scratch)
+                rows_part = tuple(p[index_slices(self._stats_box(rows), unit_box)] for p in part)
+                self._quantize(rows, block, rows_part, out[index_slices(self._values_index(rows), index)], scratch)
             return part
 
         kept = self._each_unit(x_index, one)
@@ -475,8 +467,9 @@ class TensorQuantizer:
     ) -> bool:
         """Writes the values of unit `unit` (`src`, rounded to the float
         dtype by the kernel where not `rounded`) to `out` with the kernels,
-        if they apply: a float32 matrix, finite statistics (so finite
-        values), float32 parameters. Returns whether it did."""
+        if they apply: a float32 block they take (`_kernel_view`), finite
+        statistics (so finite values), float32 parameters. Returns whether
+        it did."""
         view = self._kernel_view(src)
         round_bf16 = not rounded
         if view is None or (round_bf16 and self.float_dtype != _BFLOAT16):

@@ -29,19 +29,11 @@ import numpy as np
 
 from keras_hub_dist import _processes
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.formats.base import Index
+from keras_hub_dist.formats.base import Index, full_index, index_slices
 from keras_hub_dist.formats.quantize import TensorQuantizer
 from keras_hub_dist.plan.quantization import Int8Rule
 
 __all__ = ["combine_statistics", "sharding_blocks"]
-
-
-def _full(shape: Sequence[int]) -> Index:
-    return tuple((0, int(d)) for d in shape)
-
-
-def _slices(index: Index, origin: Index) -> tuple[slice, ...]:
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(index, origin))
 
 
 def sharding_blocks(sharding: Any, shape: Sequence[int], local: bool = False, distinct: bool = True) -> list[Index]:
@@ -75,7 +67,7 @@ def combine_statistics(work: Sequence[tuple[TensorQuantizer, Sequence[Index]]]) 
             acc = [np.full(shape, -np.inf, dtype=wide) for _ in signs]
             for index in indices:
                 box, stats = quantizer.partial_statistics(quantizer.x_index(index))
-                where = _slices(box, _full(shape))
+                where = index_slices(box, full_index(shape))
                 for a, s, sign in zip(acc, stats, signs):
                     np.maximum(a[where], sign * s.astype(wide), out=a[where])
             partials.append(tuple(acc))
