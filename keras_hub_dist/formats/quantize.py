@@ -6,7 +6,7 @@ places its blocks, and nothing but quantized blocks ever reaches a device.
 For one float tensor (`plan.quantization.QuantizedTensor`) a
 `TensorQuantizer` reads blocks of the float source (cast on the host to the
 float variable's dtype, as stock assigns it), and computes with
-`quantize_kernels` (one compiled pass per unit, bitwise) where they apply,
+`quantize_kernels` (compiled loops, bitwise) where they apply,
 else with `quantize_math` (Keras's own NumPy steps, bitwise):
 
 - `values_source()`: the int8 values (int4 values packed two per byte), of
