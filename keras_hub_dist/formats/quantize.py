@@ -66,10 +66,10 @@ __all__ = [
     "slab_buffers",
 ]
 
-# A block is read in units of about this many bytes and each unit quantized
-# in slabs of rows of about `SLAB_BYTES` (both counted in the dtype it is
-# computed in), so the host holds one unit and a few slabs per reader thread,
-# not the block. Units are cut along a kept axis, most often columns: a narrow
+# A block is read in units of about this many bytes, each unit quantized
+# whole by the kernels or, where they do not apply, in slabs of rows of about
+# `SLAB_BYTES` (both counted in the dtype it is computed in), so the host
+# holds one unit and a few slabs per reader thread, not the block. Units are cut along a kept axis, most often columns: a narrow
 # strip of a row-major tensor is one file read (and its Python) per row,
 # and 4 MiB units made an int8 load 4x slower than 64 MiB ones (Gemma-7B
 # width, `benchmarks/bench_quantize.py`).
@@ -249,8 +249,8 @@ class TensorQuantizer:
         units of about `READ_BYTES` (`SLAB_THREADS` at a time), in order.
         `src` holds the unit in scratch memory `fn` may overwrite, in a
         dtype NumPy reduces fast (float32 or wider); `rounded` says whether
-        it already holds the float dtype's values (else `_rounded_rows`
-        rounds them; reductions may use it as it is: rounding to a narrower
+        it already holds the float dtype's values (else the kernels or
+        `_rounded_rows` round them; reductions may use it as it is: rounding to a narrower
         float is monotonic, so the maximum of the rounded values is the
         rounded maximum, and so for the minimum)."""
 
@@ -427,8 +427,9 @@ class TensorQuantizer:
 
     def values(self, index: Index) -> np.ndarray:
         """Block `index` of the int8 (or packed int4) values: statistics
-        per unit, values per slab of rows (`_each_unit`, `_rounded_rows`;
-        NumPy releases the GIL, units run in parallel)."""
+        and values per unit (`_each_unit`), by the kernels
+        (`_kernel_values`) or else per slab of rows (`_rounded_rows`); both
+        release the GIL, so units run in parallel."""
         x_index = self.x_index(index)
         box = self._stats_box(x_index)
         local = self.complete(x_index) and self._global is None
