@@ -134,7 +134,7 @@ def _case_floor(args, huge_pages: bool) -> dict:
     import numpy as np
 
     from keras_hub_dist.measure import memory
-    from keras_hub_dist.formats.host_io import aligned_empty
+    from keras_hub_dist.storage.host_io import aligned_empty
 
     files = _weights_files(args.preset)
     size = sum(os.path.getsize(f) for f in files)

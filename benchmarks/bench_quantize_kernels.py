@@ -6,10 +6,10 @@ model is bfloat16 and the checkpoint float32 (the bench_quantize probe).
 This measures, per element of one block of Gemma-7B width (`--rows` x 3072,
 float32: 8 MiB by default), single-threaded, the best of `--repeats`:
 
-- `numpy`: `quantize_math`'s steps (bfloat16 rounding and widening,
+- `numpy`: `keras_math`'s steps (bfloat16 rounding and widening,
   statistics, values in place, packing), what the loader runs where the
   kernels do not apply;
-- `kernels`: `quantize_kernels` (statistics, then rounding, values and
+- `kernels`: `kernels` (statistics, then rounding, values and
   packing in one pass);
 - `copy`: one `np.copyto` of the block, the floor of any pass over it.
 
@@ -31,8 +31,8 @@ import time
 import ml_dtypes
 import numpy as np
 
-from keras_hub_dist.formats import quantize_kernels as qk
-from keras_hub_dist.formats import quantize_math as qm
+from keras_hub_dist.quantize import kernels as qk
+from keras_hub_dist.quantize import keras_math as qm
 
 BF16 = ml_dtypes.bfloat16
 
@@ -84,7 +84,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for layout in ("int4_rows", "int4_cols", "int8_cols"):
         if _numpy(x, layout).tobytes() != _kernels(x, layout).tobytes():
-            raise SystemExit(f"{layout}: the kernels' bits differ from quantize_math's")
+            raise SystemExit(f"{layout}: the kernels' bits differ from keras_math's")
         slow = _best(lambda: _numpy(x, layout), args.repeats) / x.size * 1e9
         fast = _best(lambda: _kernels(x, layout), args.repeats) / x.size * 1e9
         print(f"| {layout} | {slow:.2f} | {fast:.2f} | {floor:.2f} | {slow / fast:.1f}x | {fast / floor:.1f}x |")

@@ -107,7 +107,7 @@ def serve(args) -> None:
     """Serves every probe dir as plain HTTP (/<fmt>/...) and as the Hub repo
     bench/<probe>-<fmt>; answers JSON commands on stdin (set, clear, stats)."""
     sys.path.insert(0, TESTS)
-    from remote_servers import RangeServer, walk_files
+    from remote.servers import RangeServer, walk_files
 
     server = RangeServer()
     for spec in args.serve:
@@ -171,7 +171,7 @@ def case_download(args) -> dict:
 
     import numpy as np
 
-    from keras_hub_dist.formats.host_io import aligned_empty
+    from keras_hub_dist.storage.host_io import aligned_empty
     from keras_hub_dist.measure import memory
 
     files = sorted(f for f in os.listdir(args.preset) if os.path.isfile(os.path.join(args.preset, f)))
@@ -250,7 +250,7 @@ def case_client(args) -> dict:
     """Fetches `args.name` whole as `args.chunk`-byte ranges with one client."""
     import numpy as np
 
-    from keras_hub_dist.formats.host_io import aligned_empty
+    from keras_hub_dist.storage.host_io import aligned_empty
     from keras_hub_dist.measure import memory
 
     size = os.path.getsize(args.preset)
@@ -277,8 +277,8 @@ def case_client(args) -> dict:
     rss0, cpu0 = memory.current_rss_bytes(), _cpu_seconds()
     start = time.perf_counter()
     if args.client.startswith("ranged_http"):
-        from keras_hub_dist.formats import ranged_http
-        from keras_hub_dist.formats.object_stores import open_store
+        from keras_hub_dist.storage import ranged_http
+        from keras_hub_dist.storage.object_stores import open_store
 
         if args.client == "ranged_http_urllib3_read":  # bodies read as before the fix
             ranged_http._body_readinto = lambda response: response.readinto
@@ -360,7 +360,7 @@ def _case_env(case_dir: str, endpoint: str, hf_cache: str | None = None) -> None
     """Points every place a case may write at `case_dir` (set in os.environ,
     which `bench_load._env` copies into the subprocess)."""
     sys.path.insert(0, TESTS)
-    from remote_hub import hub_env
+    from remote.hub import hub_env
 
     for sub in ("tmp", "hf", "keras"):
         os.makedirs(os.path.join(case_dir, sub), exist_ok=True)

@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from keras_hub_dist.formats.host_io import aligned_empty  # noqa: E402
+from keras_hub_dist.storage.host_io import aligned_empty  # noqa: E402
 from keras_hub_dist.save import piece_write  # noqa: E402
 
 

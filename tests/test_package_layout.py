@@ -1,6 +1,8 @@
 """The package's shape: imports run one way (no two modules import each other,
-and every import goes down the order of rooms below), no module over 600
-lines, private Keras/JAX names only in `_compat.py`, which keeps no state.
+and every import goes down the order of rooms below), no room uses another
+room's private names, no module over 600 lines and no room over a fifth of
+the package's lines, private Keras/JAX names only in `_compat.py`, which
+keeps no state.
 
 Every import counts: at module level, inside a function, under
 `TYPE_CHECKING`, absolute or relative.
@@ -22,21 +24,26 @@ RANKS = {
     "_compat": 1,
     "_progress": 1,
     "_processes": 1,
+    # Where bytes live and how they move (files, HTTP ranges, object stores,
+    # host buffers): nothing of what the bytes mean.
+    "storage": 2,
     # Memory measurement, which the loader (memory_report) and validate use.
-    "measure": 2,
-    # The phases: plan -> formats -> init / load / save -> validate.
-    "plan": 3,
-    "formats": 4,
-    "init": 5,
-    "load": 5,
-    "save": 5,
-    "validate": 6,
+    "measure": 3,
+    # The phases: plan -> formats (what the bytes mean) -> quantize (int8 /
+    # int4 from float blocks) -> init / load / save -> validate.
+    "plan": 4,
+    "formats": 5,
+    "quantize": 6,
+    "init": 7,
+    "load": 7,
+    "save": 7,
+    "validate": 8,
     # Public names re-exported from their homes, then the package itself.
-    "initializers": 7,
-    "memory": 7,
-    "presets": 7,
-    "registry": 7,
-    "": 8,
+    "initializers": 9,
+    "memory": 9,
+    "presets": 9,
+    "registry": 9,
+    "": 10,
 }
 
 
@@ -92,7 +99,7 @@ def test_import_walk_sees_every_form():
         "import keras_hub_dist.errors\n"
         "from keras_hub_dist.plan import mesh\n"
         "from keras_hub_dist.plan.specs import shard_shape\n"
-        "from . import host_io\n"
+        "from . import checksums\n"
         "from .base import ByteRuns\n"
         "from .. import _progress\n"
         "if TYPE_CHECKING:\n"
@@ -108,7 +115,7 @@ def test_import_walk_sees_every_form():
         "keras_hub_dist.errors",
         "keras_hub_dist.plan.mesh",
         "keras_hub_dist.plan.specs",
-        "keras_hub_dist.formats.host_io",
+        "keras_hub_dist.formats.checksums",
         "keras_hub_dist.formats.base",
         "keras_hub_dist._progress",
         "keras_hub_dist.load.loader",
@@ -116,6 +123,87 @@ def test_import_walk_sees_every_form():
         "keras_hub_dist.validate",
         "keras_hub_dist.init.initializers",
     }
+
+
+def _private_uses(name, source, is_package=False):
+    """Private names (`_x`, not dunders) of another room that `source`
+    (module `name`) takes: imported (`from keras_hub_dist.save.saver import
+    _prepare`) or used as an attribute of a module it imported
+    (`saver._prepare`, `keras_hub_dist.save.saver._prepare`)."""
+    tree = ast.parse(source)
+    found, modules = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "keras_hub_dist":
+                    modules[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                module = ".".join(package + ([module] if module else []))
+            if module.split(".")[0] != "keras_hub_dist":
+                continue
+            for alias in node.names:
+                candidate = f"{module}.{alias.name}"
+                if _is_module(candidate):
+                    modules[alias.asname or alias.name] = candidate
+                elif _is_private(alias.name) and _room(module) != _room(name):
+                    found.append(f"from {module} import {alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            owner = ast.unparse(node.value)
+            module = modules.get(owner, owner if owner.startswith("keras_hub_dist.") else None)
+            if module is not None and _room(module) != _room(name):
+                found.append(f"{owner}.{node.attr}")
+    return found
+
+
+def _is_private(attr):
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+def test_private_name_walk_sees_imports_and_attributes():
+    source = (
+        "import keras_hub_dist.save.saver\n"
+        "from keras_hub_dist.save import hf_export, saver as s\n"
+        "from keras_hub_dist.save.staging import _report, publish\n"
+        "from keras_hub_dist.validate import convert\n"
+        "def f():\n"
+        "    s._prepare()\n"
+        "    hf_export._finish()\n"
+        "    keras_hub_dist.save.saver._claim_target()\n"
+        "    convert._to_keras()\n"
+        "    hf_export.__name__, publish._x\n"
+    )
+    assert _private_uses("keras_hub_dist.validate.convert_x", source) == [
+        "from keras_hub_dist.save.staging import _report",
+        "s._prepare",
+        "hf_export._finish",
+        "keras_hub_dist.save.saver._claim_target",
+    ]
+
+
+def test_no_room_uses_another_rooms_private_names():
+    offenders = [
+        f"{name}: {use}"
+        for name, path in _modules()
+        for use in _private_uses(name, path.read_text(), path.name == "__init__.py")
+    ]
+    assert not offenders, (
+        "promote what is shared to a public name of the room it belongs to:\n" + "\n".join(offenders)
+    )
+
+
+def test_no_room_holds_over_a_fifth_of_the_lines():
+    lines = {}
+    for name, path in _modules():
+        room = _room(name)
+        lines[room] = lines.get(room, 0) + len(path.read_text().splitlines())
+    total = sum(lines.values())
+    large = {room: n for room, n in lines.items() if room and n > total / 5}
+    assert not large, f"rooms over a fifth of the package's {total} lines: {large}"
 
 
 def test_no_module_over_600_lines():

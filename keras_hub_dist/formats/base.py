@@ -42,11 +42,11 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from keras_hub_dist.formats import host_io
+from keras_hub_dist.storage import host_io
 
 # Where a block's bytes lie in a file is host_io's (it reads and writes them);
 # re-exported here, where the reader protocol uses them.
-from keras_hub_dist.formats.host_io import ByteRuns, Index, byte_runs
+from keras_hub_dist.storage.host_io import ByteRuns, Index, byte_runs
 
 __all__ = [
     "ByteRuns",

@@ -32,7 +32,7 @@ import numpy as np
 
 from keras_hub_dist import _processes
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.formats import host_io
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import ByteRuns
 
 __all__ = [

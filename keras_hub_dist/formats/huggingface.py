@@ -103,7 +103,7 @@ def checksum_metadata(location: Any) -> dict[str, Any]:
     """The `metadata` of the checkpoint's `model.safetensors.index.json`
     (where `save_sharded_preset(..., format="huggingface")` records the
     files' checksums), or `{}` without an index. `location`: a
-    `formats.locations.Location`."""
+    `storage.locations.Location`."""
     if not location.has(INDEX_FILE):
         return {}
     index = parse_json(location.read_bytes(INDEX_FILE), location.path_of(INDEX_FILE))

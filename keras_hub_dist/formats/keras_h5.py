@@ -44,7 +44,7 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.formats import host_io
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
     Index,
@@ -89,7 +89,7 @@ class DatasetInfo:
             otherwise (chunked/compressed datasets are read through h5py).
         nbytes: Bytes of the (uncompressed) data.
         opened: The file it was read from when that is not a local path
-            (a remote object; see `formats.locations`).
+            (a remote object; see `storage.locations`).
     """
 
     file: str
@@ -532,7 +532,7 @@ def recognizes(config: Mapping[str, Any]) -> bool:
 def open_weights(location: Any, label: str) -> tuple[str, list[Any]]:
     """The name of the preset's weights entry (`model.weights.h5` or the
     sharded `model.weights.json`) and its `.h5` files, opened from
-    `location` (a `formats.locations.Location`)."""
+    `location` (a `storage.locations.Location`)."""
     if location.has(_WEIGHTS_FILE):
         return location.path_of(_WEIGHTS_FILE), [location.open(_WEIGHTS_FILE)]
     if not location.has(_SHARDED_WEIGHTS_FILE):
@@ -578,6 +578,6 @@ def index_checkpoint(
     model: keras.Model, location: Any, label: str, config: Mapping[str, Any]
 ) -> CheckpointIndex:
     """Indexes and validates the preset's weights for `model` (no weight
-    read), from a `formats.locations.Location`."""
+    read), from a `storage.locations.Location`."""
     entry, files = open_weights(location, label)
     return build_index(model, entry, files)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from keras_hub_dist.formats import host_io
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import Index, StoredTensor, TensorSource
 
 __all__ = ["GROUP", "Mxfp4Source", "e2m1_values"]

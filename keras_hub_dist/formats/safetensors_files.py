@@ -33,9 +33,9 @@ import ml_dtypes
 import numpy as np
 
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.formats import host_io
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import StoredTensor
-from keras_hub_dist.formats.locations import LocalDirectory
+from keras_hub_dist.storage.locations import LocalDirectory
 from keras_hub_dist.plan.presets import parse_json
 
 __all__ = [
@@ -199,7 +199,7 @@ def checkpoint_files(location: Any, label: str | None = None) -> SafetensorsChec
     """Finds, opens and validates a checkpoint's files.
 
     Args:
-        location: A `formats.locations.Location` (or a local directory).
+        location: A `storage.locations.Location` (or a local directory).
 
     Raises:
         PresetError: No `model.safetensors` nor index; an invalid index; a

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_hub_dist.formats import host_io
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import (
     Index,
     StoredTensor,

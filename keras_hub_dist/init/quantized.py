@@ -7,7 +7,7 @@ the devices. The backbone is built without values and quantized
 structurally (`plan.quantization.quantize_without_values`); every variable
 Keras leaves in float is drawn as the factory draws it. Then, one float
 tensor at a time: its twin initializer draws it in its float layout (each
-device its own shard), a `formats.quantize.TensorQuantizer` reads those
+device its own shard), a `quantize.quantizer.TensorQuantizer` reads those
 shards on the host and computes each device's quantized blocks (statistics
 split across devices combined as for a load), the quantized blocks are
 placed in their layouts (`plan.quantized_layouts`), and the float shards
@@ -32,10 +32,11 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import QuantizationError
-from keras_hub_dist.formats import host_io, quantize_kernels
+from keras_hub_dist.storage import host_io
+from keras_hub_dist.quantize import kernels as quantize_kernels
 from keras_hub_dist.formats.base import Index, TensorSource, numpy_dtype
-from keras_hub_dist.formats.quantize import TensorQuantizer, group_index_source, slab_buffers
-from keras_hub_dist.formats.quantize_combine import combine_statistics, sharding_blocks
+from keras_hub_dist.quantize.quantizer import TensorQuantizer, group_index_source, slab_buffers
+from keras_hub_dist.quantize.combine import combine_statistics, sharding_blocks
 from keras_hub_dist.init import initializers
 from keras_hub_dist.plan import quantization
 from keras_hub_dist.plan.quantized_layouts import quantized_axes

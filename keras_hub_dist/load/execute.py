@@ -9,7 +9,7 @@ The thin second phase of loading. For every variable of the plan:
    checkpoint stores the variable as it is (`preadv` per block, or the
    file's contiguous stretches read into several blocks' buffers at once;
    a remote file always the latter, one range request per stretch, see
-   `block_plan` and `formats.ranged_http`), else the checkpoint format's own
+   `block_plan` and `storage.ranged_http`), else the checkpoint format's own
    `TensorSource.read` (per block, or once for the box the local blocks
    tile); then cast to the variable's dtype on the host, block by block;
 2. the buffer goes to the first device that holds the block
@@ -58,8 +58,8 @@ import numpy as np
 
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats.base import Index
-from keras_hub_dist.formats import host_io
-from keras_hub_dist.formats.host_io import aligned_empty
+from keras_hub_dist.storage import host_io
+from keras_hub_dist.storage.host_io import aligned_empty
 from keras_hub_dist.load.block_plan import Block, LoadPlan, Round, VariablePlan
 from keras_hub_dist.load.read_ahead import Prefetch, RoundsAhead
 

@@ -54,11 +54,13 @@ import keras
 
 from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
-from keras_hub_dist.formats import checksums, host_io, quantize_kernels
+from keras_hub_dist.formats import checksums
+from keras_hub_dist.storage import host_io
+from keras_hub_dist.quantize import kernels as quantize_kernels
 from keras_hub_dist.formats.base import CheckpointIndex
 from keras_hub_dist.formats.detect import checkpoint_format
-from keras_hub_dist.formats.locations import Location, is_remote, open_location
-from keras_hub_dist.formats.ranged_http import DEFAULT_CONCURRENCY, RangeClient
+from keras_hub_dist.storage.locations import Location, is_remote, open_location
+from keras_hub_dist.storage.ranged_http import DEFAULT_CONCURRENCY, RangeClient
 from keras_hub_dist.formats.transforms import fallbacks
 from keras_hub_dist.load import quantized
 from keras_hub_dist.load.block_plan import LoadPlan, VariableRequest, plan_load

@@ -6,7 +6,7 @@ its checkpoint indexed and validated as for a float load; then:
 1. `quantize_checkpoint`: the model gets Keras's quantized structure
    (`plan.quantization.quantize_without_values`, no float kernel ever
    allocated) and the index its variables, each quantized one with a
-   `formats.quantize` source computing its blocks from the float tensor's;
+   `quantize.quantizer` source computing its blocks from the float tensor's;
 2. `quantized_layout_map`: the layout map gets an exact entry per quantized
    variable, derived from its float kernel's layout;
 3. `combine_statistics`: after planning, the tensors whose reduced extent
@@ -39,8 +39,8 @@ import keras
 
 from keras_hub_dist.errors import QuantizationError
 from keras_hub_dist.formats.base import CheckpointIndex, IndexedVariable, numpy_dtype
-from keras_hub_dist.formats.quantize import TensorQuantizer, group_index_source, slab_buffers
-from keras_hub_dist.formats.quantize_combine import combine_statistics, sharding_blocks
+from keras_hub_dist.quantize.quantizer import TensorQuantizer, group_index_source, slab_buffers
+from keras_hub_dist.quantize.combine import combine_statistics, sharding_blocks
 from keras_hub_dist.load.block_plan import LoadPlan
 from keras_hub_dist.plan import quantization
 from keras_hub_dist.plan.layouts import ReportingLayoutMap

@@ -34,7 +34,7 @@ class LoadReport:
         host_bytes_reused: Bytes of host read buffers that were buffers of
             earlier blocks whose values had been consumed (transposed on
             their devices, or cast), taken again instead of fresh memory
-            (`formats.host_io.BufferPool`).
+            (`storage.host_io.BufferPool`).
     """
 
     preset: str

@@ -2,7 +2,7 @@
 
 `load_sharded_preset` accepts a local directory, a remote location read by
 byte ranges (`"s3://..."`, `"gs://..."`, `"hf://..."`, `"https://..."`; see
-`formats.locations`), a KerasHub preset name or handle (`"gemma_7b_en"`,
+`storage.locations`), a KerasHub preset name or handle (`"gemma_7b_en"`,
 `"kaggle://..."`, fetched by KerasHub's own downloader), or a keras_hub_dist
 architecture name. Typos and missing directories are caught here, with the
 close names, before KerasHub's generic "Unknown preset identifier".
@@ -17,7 +17,7 @@ from typing import Any
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.formats.locations import Location
+from keras_hub_dist.storage.locations import Location
 from keras_hub_dist.plan import presets
 
 __all__ = ["PresetSource", "read_config", "read_metadata", "resolve_source"]
@@ -31,7 +31,7 @@ class PresetSource:
 
     Attributes:
         ref: A local directory, a remote location or a KerasHub handle
-            (`formats.locations.open_location` opens it).
+            (`storage.locations.open_location` opens it).
         label: How messages name it.
         short: A short name for the progress bar.
     """

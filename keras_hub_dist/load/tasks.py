@@ -9,7 +9,7 @@ from typing import Any
 import keras
 
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.formats.locations import Location
+from keras_hub_dist.storage.locations import Location
 
 __all__ = ["build_task", "task_class"]
 

@@ -50,7 +50,8 @@ import numpy as np
 from keras_hub_dist import _compat, _processes
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.errors import SaveError
-from keras_hub_dist.formats import checksums, host_io, keras_h5
+from keras_hub_dist.formats import checksums, keras_h5
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import Index, is_float, numpy_dtype
 from keras_hub_dist.formats.pieces import BlockWrite, block_writes
 from keras_hub_dist.formats.safetensors_files import INDEX_FILE
@@ -69,7 +70,6 @@ from keras_hub_dist.save.piece_write import PieceWriter
 from keras_hub_dist.save.saver import (
     _agreed_target,
     _backbone_and_task,
-    _claim_target,
     _create_staging,
     _device_indices,
     _guard,
@@ -77,7 +77,8 @@ from keras_hub_dist.save.saver import (
     _model_error,
     _saved_array,
     _walk_writes,
-    _weight_set,
+    claim_target,
+    weight_set_of,
 )
 from keras_hub_dist.save.write_plan import block_owners
 
@@ -281,14 +282,14 @@ def save_huggingface(
     target = _agreed_target(preset_dir)
     backbone, task = _backbone_and_task(model)
     _processes.check_all(_model_error(model) or _quantization_error(model), SaveError, "Cannot export the model")
-    _claim_target(target, overwrite)
+    claim_target(target, overwrite)
 
     found: list[HfMapping] = []
     error = _guard(lambda: found.append(_mapping_of(backbone, task, dtype)))
     _processes.check_all(error, SaveError, "Mapping the model to the Hugging Face format failed")
     mapping = found[0]
     layout = plan_files(mapping.tensors, shard_size(max_shard_size))
-    weight_set = _weight_set(backbone, (), "", None)
+    weight_set = weight_set_of(backbone, (), "", None)
     live = {d.name: d.shape for d in weight_set.layout.datasets}
     differ = sorted(d for d, shape in mapping.shapes.items() if live.get(d) != shape)
     _processes.check_all(
@@ -307,7 +308,7 @@ def save_huggingface(
     try:
         error = None
         if jax.process_index() == 0:
-            error = _guard(lambda: _prepare(target, token, durable, layout, backbone, task, mapping))
+            error = _guard(lambda: prepare_export(target, token, durable, layout, backbone, task, mapping))
         _processes.check_all(error, SaveError, f"Preparing {folder!r} failed")
 
         plans: dict[str, list[BlockPlan]] = {}
@@ -341,26 +342,32 @@ def save_huggingface(
         digests = _processes.sum_over_processes(table[0])
 
         if jax.process_index() == 0:
-            error = _guard(lambda: _finish(folder, target, layout, paths, digests, token, durable))
+            error = _guard(lambda: finish_export(folder, target, layout, paths, digests, token, durable))
         _processes.check_all(error, SaveError, f"Publishing {target!r} failed")
     finally:  # the owner record, and the staging directory unless published
         if jax.process_index() == 0:
             staging.discard(target, token)
 
 
-def _prepare(
+def prepare_export(
     target: str, token: str, durable: bool, layout: SafetensorsLayout, backbone: Any, task: Any,
     mapping: HfMapping,
 ) -> None:
+    """Creates save `token`'s staging directory beside `target` (with its
+    owner record) holding the export's small files and its safetensors
+    files laid out (`layout`), headers written and tensors unfilled; run
+    by one process (`save_huggingface`) or by `convert`."""
     folder = _create_staging(target, token, durable)
     write_hf_files(folder, backbone, task, mapping.config)
     create_files(layout, folder)
 
 
-def _finish(
+def finish_export(
     folder: str, target: str, layout: SafetensorsLayout, paths: list[str], digests: np.ndarray,
     token: str, durable: bool,
 ) -> None:
+    """Records the files' checksums (`digests`) in the index and publishes
+    `folder` as `target` (`staging.publish`), once every tensor is written."""
     with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
         f.write(checksummed_index(layout, paths, digests))
     staging.publish(folder, target, token, durable=durable)

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_hub_dist.formats import host_io
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import ByteRuns
 from keras_hub_dist.formats.pieces import BlockWrite
 

@@ -65,7 +65,8 @@ import numpy as np
 from keras_hub_dist import _compat, _processes
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.errors import PresetError, SaveError, StaleStagingWarning
-from keras_hub_dist.formats import checksums, host_io, keras_h5
+from keras_hub_dist.formats import checksums, keras_h5
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import Index
 from keras_hub_dist.formats.keras_h5_writer import (
     DatasetLayout,
@@ -81,7 +82,7 @@ __all__ = ["save_sharded_preset"]
 
 
 @dataclass
-class _WeightSet:
+class WeightSet:
     """One weights file (or multi-file set) and the model part it saves."""
 
     model: Any
@@ -111,21 +112,21 @@ def save_sharded_preset(
     target = _agreed_target(preset_dir)
     backbone, task = _backbone_and_task(model)
     _processes.check_all(_model_error(model), SaveError, "Cannot save the model")
-    _claim_target(target, overwrite)
+    claim_target(target, overwrite)
     parent, base = os.path.split(target)
 
     names = _compat.preset_file_names()
     backbone_bytes = _compat.variables_size_in_bytes(backbone.variables)
     multi_file = max_shard_size is not None and backbone_bytes / 2**30 > max_shard_size
     sets = [
-        _weight_set(
+        weight_set_of(
             backbone, (), names["sharded_weights" if multi_file else "weights"],
             max_shard_size if multi_file else None,
         )
     ]
     if task is not None and task.has_task_weights():
         sets.append(
-            _weight_set(task, list(backbone._flatten_layers()), names["task_weights"], None)
+            weight_set_of(task, list(backbone._flatten_layers()), names["task_weights"], None)
         )
 
     token = _processes.broadcast_string(secrets.token_hex(6))
@@ -133,7 +134,7 @@ def save_sharded_preset(
     try:
         error = None
         if jax.process_index() == 0:
-            error = _guard(lambda: _prepare(target, token, durable, backbone, task, sets, names))
+            error = _guard(lambda: prepare_preset(target, token, durable, backbone, task, sets, names))
         _processes.check_all(error, SaveError, f"Preparing {folder!r} failed")
 
         plans: list[SavePlan] = []
@@ -143,7 +144,7 @@ def save_sharded_preset(
         error = _write(sets, plans, progress, base, durable)
         _processes.check_all(error, SaveError, "Writing the weights failed")
 
-        files = _weights_files(folder, sets)
+        files = weights_files_of(folder, sets)
         table: list[np.ndarray] = []
         error = _guard(lambda: table.append(_local_digests(files, num_threads)))
         _processes.check_all(error, SaveError, "Hashing the weights files failed")
@@ -151,7 +152,7 @@ def save_sharded_preset(
 
         if jax.process_index() == 0:
             error = _guard(
-                lambda: _finish(folder, target, backbone, files, digests, token, names, durable)
+                lambda: finish_preset(folder, target, backbone, files, digests, token, names, durable)
             )
         _processes.check_all(error, SaveError, f"Publishing {target!r} failed")
     finally:  # the owner record, and the staging directory unless published
@@ -172,7 +173,7 @@ def _agreed_target(preset_dir: str | os.PathLike) -> str:
     return target
 
 
-def _claim_target(target: str, overwrite: bool) -> None:
+def claim_target(target: str, overwrite: bool) -> None:
     """Removes what dead saves to `target` left (process 0; warns with what
     it removed or left), then checks on every process that `target` may be
     written."""
@@ -294,7 +295,9 @@ def _saved_array(value: Any) -> Any:
     return value
 
 
-def _weight_set(model: Any, skip: Sequence[Any], file_name: str, max_shard_size: float | None) -> _WeightSet:
+def weight_set_of(model: Any, skip: Sequence[Any], file_name: str, max_shard_size: float | None) -> WeightSet:
+    """The weights file(s) `file_name` that `model.save_weights` would write
+    (layers in `skip` left out): their layout and each value's sharding."""
     shardings: dict[str, Any] = {}
     paths: dict[str, str] = {}
 
@@ -304,13 +307,17 @@ def _weight_set(model: Any, skip: Sequence[Any], file_name: str, max_shard_size:
         paths[dataset.name] = getattr(value, "path", dataset.name)
 
     layout = weights_layout(model, skip, remember)
-    return _WeightSet(model, skip, file_name, max_shard_size, layout, shardings, paths)
+    return WeightSet(model, skip, file_name, max_shard_size, layout, shardings, paths)
 
 
-def _prepare(
-    target: str, token: str, durable: bool, backbone: Any, task: Any, sets: list[_WeightSet],
+def prepare_preset(
+    target: str, token: str, durable: bool, backbone: Any, task: Any, sets: list[WeightSet],
     names: dict[str, str],
 ) -> None:
+    """Creates save `token`'s staging directory beside `target` (with its
+    owner record) holding config.json, task.json, the preprocessor's files
+    and every weights file of `sets` laid out, datasets allocated and
+    unfilled; run by one process (`save_sharded_preset`) or by `convert`."""
     folder = _create_staging(target, token, durable)
     if task is not None:
         _compat.save_preset_config(task, folder, names["task"])
@@ -323,7 +330,7 @@ def _prepare(
         )
 
 
-def _plan(folder: str, weight_set: _WeightSet) -> SavePlan:
+def _plan(folder: str, weight_set: WeightSet) -> SavePlan:
     path = os.path.join(folder, weight_set.file_name)
     try:
         on_disk = keras_h5.read_datasets(keras_h5.weights_files(path))
@@ -352,7 +359,7 @@ def _plan(folder: str, weight_set: _WeightSet) -> SavePlan:
 
 
 def _write(
-    sets: list[_WeightSet], plans: list[SavePlan], progress: bool | None, base: str, durable: bool
+    sets: list[WeightSet], plans: list[SavePlan], progress: bool | None, base: str, durable: bool
 ) -> str | None:
     """Writes this process's blocks (and with `durable` flushes them to the
     disk); returns its first error as a message.
@@ -408,7 +415,8 @@ def _walk_writes(walk: Any, files: host_io.FileDescriptors, bar: Any, durable: b
     return error[0] if error else None
 
 
-def _weights_files(folder: str, sets: list[_WeightSet]) -> list[str]:
+def weights_files_of(folder: str, sets: list[WeightSet]) -> list[str]:
+    """The paths of every weights file of `sets` in `folder`, as hashed."""
     files = []
     for weight_set in sets:
         path = os.path.join(folder, weight_set.file_name)
@@ -427,7 +435,7 @@ def _local_digests(files: list[str], num_threads: int) -> np.ndarray:
     return table
 
 
-def _finish(
+def finish_preset(
     folder: str,
     target: str,
     backbone: Any,
@@ -437,6 +445,9 @@ def _finish(
     names: dict[str, str],
     durable: bool,
 ) -> None:
+    """Writes metadata.json with the files' checksums (`digests`) and
+    publishes `folder` as `target` (`staging.publish`), once every block is
+    written."""
     recorded = checksums.entries(files, digests)
     _compat.save_preset_metadata(backbone, folder)
     metadata_path = os.path.join(folder, names["metadata"])

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from keras_hub_dist import _compat
-from keras_hub_dist.formats import host_io
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import ByteRuns
 from keras_hub_dist.save.write_plan import BlockWrite, ValueWrite
 

@@ -25,7 +25,7 @@ Same crash safety as `save_sharded_preset` (`save.staging`): written into
 checksummed, renamed into place when complete; a failure (or a kill) leaves
 the target untouched, and the next save or conversion to that target removes
 what a killed one left. Sources are what `load_sharded_preset` reads
-(`load.source`, `formats.locations`): a directory, a KerasHub handle, or a
+(`load.source`, `storage.locations`): a directory, a KerasHub handle, or a
 remote location read by byte ranges. It reads like the loader and writes
 like the saver, so it sits in the room above both, beside the command line
 that runs it (`keras-hub-dist convert`, `validate.cli`).
@@ -55,12 +55,13 @@ import numpy as np
 from keras_hub_dist import _compat
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.errors import SaveError
-from keras_hub_dist.formats import checksums, host_io, keras_h5
+from keras_hub_dist.formats import checksums, keras_h5
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import Index, StoredTensor, StoredTensorSource, TensorSource
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.pieces import NotAffine, Piece, block_writes, identity, pieces_of
-from keras_hub_dist.formats.locations import Location, is_remote, open_location
-from keras_hub_dist.formats.ranged_http import RangeClient
+from keras_hub_dist.storage.locations import Location, is_remote, open_location
+from keras_hub_dist.storage.ranged_http import RangeClient
 from keras_hub_dist.formats.safetensors_writer import plan_files
 from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
 from keras_hub_dist.load.tasks import task_class
@@ -314,7 +315,7 @@ def _convert(
             f"{'Hugging Face checkpoint' if to == 'keras' else 'KerasHub preset'} to convert "
             "to it; copy the directory instead."
         )
-    saver._claim_target(destination, overwrite)
+    saver.claim_target(destination, overwrite)
     backbone_cls, backbone_config = checkpoint.backbone_config(config, label)
     model_dtype = dtype if dtype is not None else _source_dtype(config, checkpoint, backbone_config)
     backbone, created = build_without_values(backbone_cls, {**backbone_config, "dtype": model_dtype})
@@ -346,7 +347,7 @@ def _to_huggingface(
     paths = [os.path.join(folder, f.name) for f in layout.files]
     stats = ConvertStats()
     try:
-        hf_export._prepare(destination, token, False, layout, backbone, task, mapping)
+        hf_export.prepare_export(destination, token, False, layout, backbone, task, mapping)
         jobs = []
         for name, pairs in mapping.pieces.items():
             source = sources[id(datasets[name])]
@@ -360,7 +361,7 @@ def _to_huggingface(
             ))
         pending = {os.path.join(folder, f.name): [(len(f.header), f.size)] for f in layout.files}
         digests = _write_all(jobs, layout.total_size, destination, progress, stats, num_threads, pending, paths)
-        hf_export._finish(folder, destination, layout, paths, digests, token, False)
+        hf_export.finish_export(folder, destination, layout, paths, digests, token, False)
     finally:  # the owner record, and the staging directory unless published
         staging.discard(destination, token)
     return stats
@@ -405,7 +406,7 @@ def _to_keras(
     names = _compat.preset_file_names()
     limit = 10 if max_shard_size is None else max_shard_size
     multi_file = backbone_bytes(backbone) / 2**30 > limit
-    weight_set = saver._weight_set(
+    weight_set = saver.weight_set_of(
         backbone, (), names["sharded_weights" if multi_file else "weights"], limit if multi_file else None
     )
     if task is not None and task.has_task_weights():
@@ -414,7 +415,7 @@ def _to_keras(
     folder = staging.staging_path(*os.path.split(destination), token)
     stats = ConvertStats()
     try:
-        saver._prepare(destination, token, False, backbone, task, [weight_set], names)
+        saver.prepare_preset(destination, token, False, backbone, task, [weight_set], names)
         weights = os.path.join(folder, weight_set.file_name)
         on_disk = keras_h5.read_datasets(keras_h5.weights_files(weights))
         leaves = {(t.file, t.offset): t for s in sources.values() for t in _stored_leaves(s)}
@@ -445,12 +446,12 @@ def _to_keras(
             jobs.append(_Job(leaf.shape, leaf.dtype, leaf.read, tuple(targets),
                              _keeps_order([p for _, p, _, _ in targets]), leaf))
         total = sum(d.nbytes for d in weight_set.layout.datasets)
-        files = saver._weights_files(folder, [weight_set])
+        files = saver.weights_files_of(folder, [weight_set])
         pending: dict[str, list[tuple[int, int]]] = {}
         for info in on_disk.values():
             pending.setdefault(info.file, []).append((info.offset, info.offset + info.nbytes))
         digests = _write_all(jobs, total, destination, progress, stats, num_threads, pending, files)
-        saver._finish(folder, destination, backbone, files, digests, token, names, False)
+        saver.finish_preset(folder, destination, backbone, files, digests, token, names, False)
     finally:  # the owner record, and the staging directory unless published
         staging.discard(destination, token)
     return stats

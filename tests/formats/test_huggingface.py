@@ -67,7 +67,7 @@ def test_each_device_reads_only_its_block_and_memory_stays_at_the_floor(llama_di
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
 @pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
 def test_large_transposes_run_on_the_device_bitwise_equal(llama_dir, mesh_shape, dtype, monkeypatch):
-    from keras_hub_dist.formats import host_io
+    from keras_hub_dist.storage import host_io
     from keras_hub_dist.load import block_plan, execute, loader
 
     monkeypatch.setattr(block_plan, "DEVICE_TRANSPOSE_MIN_BYTES", 0)  # every block

@@ -178,7 +178,7 @@ def test_read_union_covers_only_this_process_blocks():
 
 
 def test_bfloat16_widening_is_exact_for_every_bit_pattern():
-    from keras_hub_dist.formats.host_io import BufferPool
+    from keras_hub_dist.storage.host_io import BufferPool
     from keras_hub_dist.load.execute import _cast
 
     patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16)

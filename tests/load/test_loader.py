@@ -15,7 +15,7 @@ from conftest import MESH_SHAPES, failing_on_call
 
 import keras_hub_dist
 from keras_hub_dist import LayoutError, PresetError, _compat
-from keras_hub_dist.formats import host_io
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.measure import memory, program_watch
 from keras_hub_dist.measure.event_samples import sampling_after_calls
 from keras_hub_dist import load_sharded_preset, write_synthetic_preset

@@ -260,7 +260,7 @@ def test_each_float_tensor_is_read_once(mode, root, monkeypatch):
     reuses the statistics the values kept (read one after another on one
     prefetch thread), a row-sharded embedding's scale included, assembled
     from every values block's."""
-    from keras_hub_dist.formats import quantize as quantize_module
+    from keras_hub_dist.quantize import quantizer as quantize_module
 
     read: dict[str, int] = {}
     size: dict[str, int] = {}

@@ -1,6 +1,6 @@
 """Fixtures for remote checkpoints: S3 (moto), GCS (gcp-storage-emulator), a
 Hugging Face Hub and plain HTTP, all on 127.0.0.1, each behind a logging and
-fault-injecting `RangeServer` (tests/remote_servers.py).
+fault-injecting `RangeServer` (tests/remote/servers.py).
 
 - `range_server`: a started `RangeServer()`, stopped after the test.
 - `moto_server` / `gcs_server`: one emulator for the session (skipped when
@@ -34,9 +34,9 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if TESTS not in sys.path:  # tests/conftest.py's folder is there under pytest already
     sys.path.insert(0, TESTS)
 
-import remote_hub  # noqa: E402
-import remote_servers  # noqa: E402
-import remote_stores  # noqa: E402
+from remote import hub as remote_hub  # noqa: E402
+from remote import servers as remote_servers  # noqa: E402
+from remote import stores as remote_stores  # noqa: E402
 
 
 def _set_env(monkeypatch, env):

@@ -1,4 +1,4 @@
-"""The Hugging Face Hub of `RangeServer` (tests/remote_hub.py) as
+"""The Hugging Face Hub of `RangeServer` (tests/remote/hub.py) as
 huggingface_hub 2.4 sees it: downloads, repo info, trees, paths-info,
 HfFileSystem ranges and the Hub's errors."""
 

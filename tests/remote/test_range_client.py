@@ -5,9 +5,9 @@ is read through urllib3's `read`/`readinto`, each of which makes a new
 import numpy as np
 import urllib3
 
-from keras_hub_dist.formats import ranged_http
-from keras_hub_dist.formats.host_io import aligned_empty
-from keras_hub_dist.formats.object_stores import open_store
+from keras_hub_dist.storage import ranged_http
+from keras_hub_dist.storage.host_io import aligned_empty
+from keras_hub_dist.storage.object_stores import open_store
 
 
 def test_bodies_land_in_the_buffers_without_a_copy(range_server, monkeypatch):

@@ -13,7 +13,8 @@ import pytest
 from keras_hub_dist import PresetError, RemoteDownloadWarning, load_sharded_preset
 from keras_hub_dist import write_synthetic_preset
 from keras_hub_dist import _compat
-from keras_hub_dist.formats import keras_h5, ranged_http
+from keras_hub_dist.formats import keras_h5
+from keras_hub_dist.storage import ranged_http
 from keras_hub_dist.load import loader
 
 SMALL = dict(vocabulary_size=4096, num_layers=1, num_query_heads=8, num_key_value_heads=8,

@@ -1,5 +1,5 @@
-"""The loopback servers of the remote-checkpoint tests (tests/remote_servers.py,
-remote_hub.py, remote_stores.py) answer, log and fail as the tests of the
+"""The loopback servers of the remote-checkpoint tests (tests/remote/servers.py,
+remote/hub.py, remote/stores.py) answer, log and fail as the tests of the
 remote loader will rely on, and stop leaving no thread or port behind."""
 
 import json
@@ -15,8 +15,8 @@ import time
 import pytest
 import urllib3
 
-import remote_http
-from remote_servers import RangeServer
+from remote import http_blobs as remote_http
+from remote.servers import RangeServer
 
 DATA = bytes(range(256)) * 40 + b"tail"
 SIZE = len(DATA)
@@ -300,7 +300,7 @@ def test_proxy_to_a_dead_upstream_is_502():
 def test_serve_command_line(checkpoint_dir, tmp_path):
     log = tmp_path / "log.jsonl"
     process = subprocess.Popen(
-        [sys.executable, os.path.join(TESTS, "remote_servers.py"), "--dir", str(checkpoint_dir),
+        [sys.executable, os.path.join(TESTS, "remote/servers.py"), "--dir", str(checkpoint_dir),
          "--hub", "o/n", "--latency", "0.01", "--rate", "50e6", "--log", str(log)],
         stdout=subprocess.PIPE, text=True)
     try:

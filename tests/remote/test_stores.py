@@ -1,6 +1,6 @@
 """S3 (moto) and GCS (gcp-storage-emulator) on loopback as a range-reading
 client sees them, raw and behind the logging proxy, and one checkpoint in
-all four places (tests/remote_stores.py). The quirks asserted here are the
+all four places (tests/remote/stores.py). The quirks asserted here are the
 ones its docstring lists: a new emulator release that changes one fails here."""
 
 import hashlib
@@ -12,8 +12,8 @@ import urllib.parse
 import pytest
 import urllib3
 
-import remote_stores
-from remote_servers import RangeServer
+from remote import stores as remote_stores
+from remote.servers import RangeServer
 
 DATA = bytes(range(256)) * 40  # 10,240 bytes
 SIZE = len(DATA)

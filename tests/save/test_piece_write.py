@@ -34,7 +34,7 @@ def test_the_writer_rearranges_through_xla_bitwise(tmp_path, monkeypatch):
     import jax
     import ml_dtypes
 
-    from keras_hub_dist.formats import host_io
+    from keras_hub_dist.storage import host_io
     from keras_hub_dist.formats.pieces import Atom, Piece, block_writes
 
     monkeypatch.setattr(piece_write, "XLA_TRANSPOSE_MIN_BYTES", 0)

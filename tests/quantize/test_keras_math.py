@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from keras_hub_dist import _processes
-from keras_hub_dist.formats import quantize as fq
-from keras_hub_dist.formats import quantize_math as qm
+from keras_hub_dist.quantize import quantizer as fq
+from keras_hub_dist.quantize import keras_math as qm
 from keras_hub_dist.formats import transforms
-from keras_hub_dist.formats.quantize_combine import combine_statistics
-from keras_hub_dist.formats.flat_reshape import FlatReshape, blockwise_reshape, flat_boxes
+from keras_hub_dist.quantize.combine import combine_statistics
+from keras_hub_dist.quantize.flat_reshape import FlatReshape, blockwise_reshape, flat_boxes
 from keras_hub_dist.plan.quantization import Int4Rule, Int8Rule, QuantizedTensor
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -230,9 +230,9 @@ def test_stored_float32_quantized_as_bfloat16_in_reused_scratch(mode, kernels, t
     # A float32 checkpoint tensor loaded as bfloat16 and quantized: read
     # straight into scratch memory, rounded to bfloat16 as stock's assign
     # does, and quantized to Keras's bits, by the kernels (a unit at once)
-    # or by quantize_math's steps (slab by slab, many slabs sharing a few
+    # or by keras_math's steps (slab by slab, many slabs sharing a few
     # buffers).
-    from keras_hub_dist.formats import host_io
+    from keras_hub_dist.storage import host_io
     from keras_hub_dist.formats.base import StoredTensor, StoredTensorSource
 
     if not kernels:

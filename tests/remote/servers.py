@@ -6,9 +6,9 @@ injects faults, latency and a bandwidth cap. It has three roles:
 
 - plain objects: `{path: bytes | file path}` (files are read with `os.pread`
   chunk by chunk, so a 4 GB probe never lives in memory);
-- a Hugging Face Hub (`add_hub_repo`, routes in `remote_hub.py`);
+- a Hugging Face Hub (`add_hub_repo`, routes in `remote/hub.py`);
 - a proxy in front of moto (S3) or gcp-storage-emulator (GCS), so their
-  traffic is logged and faulted the same way (`remote_stores.py`).
+  traffic is logged and faulted the same way (`remote/stores.py`).
 
 Built on the standard library's `http.server.ThreadingHTTPServer` (no new
 dependency; werkzeug's development server closes every connection, which
@@ -27,13 +27,13 @@ with RangeServer({"ckpt/model.weights.h5": "/tmp/model.weights.h5"}) as server:
 ```
 
 Tests use the fixtures of tests/remote/conftest.py; pointing huggingface_hub
-at the Hub routes is explained in remote_hub.py, the emulators' quirks in
-remote_stores.py.
+at the Hub routes is explained in remote/hub.py, the emulators' quirks in
+remote/stores.py.
 
 Benchmarks serve a directory from the command line and read the URL from the
 first line printed (JSON):
 
-    python tests/remote_servers.py --dir PATH --latency 0.02 --rate 50e6 [--hub owner/name]
+    python tests/remote/servers.py --dir PATH --latency 0.02 --rate 50e6 [--hub owner/name]
 """
 
 from __future__ import annotations
@@ -43,9 +43,11 @@ import dataclasses
 import hashlib
 import http.server
 import json
+import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -53,8 +55,10 @@ from typing import Callable, Mapping
 
 import urllib3
 
-import remote_hub  # siblings: tests/ is on sys.path (pytest, or run as a script)
-from remote_http import (  # noqa: F401  (re-exported)
+if __package__ in (None, ""):  # run as a script: the package `remote` lives in tests/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from remote import hub as remote_hub  # noqa: E402  (tests/ is on sys.path under pytest)
+from remote.http_blobs import (  # noqa: E402, F401  (re-exported)
     CHUNK, Blob, Reply, Source, blob_reply, make_blob, read_body, requested_range,
     resolve_range, walk_files,
 )

@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.formats.ranged_http import ObjectInfo, RangeClient
+from keras_hub_dist.storage.ranged_http import ObjectInfo, RangeClient
 
 __all__ = ["REMOTE_SCHEMES", "Store", "open_store", "parse_hub_location"]
 

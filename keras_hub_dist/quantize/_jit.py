@@ -1,11 +1,11 @@
-"""The compiled loops of `quantize_kernels` (see there: what each computes
+"""The compiled loops of `kernels` (see there: what each computes
 and why it is Keras's to the bit).
 
 Numba compiles them on first use and caches the machine code next to this
 module (or in the user's cache when that is read-only): each is defined at
 module level with its constants as module globals, which is what lets
 Numba's cache find them again in a new process. Importing this module
-imports Numba (0.5 s), so `quantize_kernels` imports it only when a load
+imports Numba (0.5 s), so `kernels` imports it only when a load
 quantizes.
 """
 

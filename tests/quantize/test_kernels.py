@@ -1,12 +1,12 @@
 """The Numba kernels give Keras's int8 / int4 bits, and the loader uses them.
 
 Each kernel is compared, bit for bit, with Keras's own quantizers on whole
-arrays and with `quantize_math` (Keras's steps, itself checked against
-Keras in `test_quantize_math.py`) on blocks that start inside a group:
+arrays and with `keras_math` (Keras's steps, itself checked against
+Keras in `test_keras_math.py`) on blocks that start inside a group:
 random values, ties at .5 after the division (round half to even), float32
 values halfway between two bfloat16 values (ties to even on the bits),
 zero and constant groups, groups of one sign (the zero point clips), huge,
-tiny and subnormal values. A NaN leaves the kernels to `quantize_math`.
+tiny and subnormal values. A NaN leaves the kernels to `keras_math`.
 """
 
 import keras
@@ -14,12 +14,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from keras_hub_dist.formats import quantize as fq
-from keras_hub_dist.formats import quantize_kernels as qk
-from keras_hub_dist.formats import quantize_math as qm
+from keras_hub_dist.quantize import quantizer as fq
+from keras_hub_dist.quantize import kernels as qk
+from keras_hub_dist.quantize import keras_math as qm
 from keras_hub_dist.formats import transforms
 from keras_hub_dist.formats.base import StoredTensor, StoredTensorSource
-from keras_hub_dist.formats.flat_reshape import FlatReshape, blockwise_reshape
+from keras_hub_dist.quantize.flat_reshape import FlatReshape, blockwise_reshape
 from keras_hub_dist.plan.quantization import Int4Rule, Int8Rule, QuantizedTensor
 
 BF16 = ml_dtypes.bfloat16
@@ -161,7 +161,7 @@ def _tensor(rule, shape, scale_shape) -> QuantizedTensor:
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_tensor_with_a_nan_is_quantized_as_keras_does(mode, monkeypatch):
-    # The kernels decline it; quantize_math's steps give Keras's bits.
+    # The kernels decline it; keras_math's steps give Keras's bits.
     x = _hard_values(256, 6)
     x[3, 4] = np.nan
     calls = []

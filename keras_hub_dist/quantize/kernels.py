@@ -1,6 +1,6 @@
 """Keras's int8 / int4 quantization of float32 blocks, compiled with Numba.
 
-`quantize_math` repeats Keras's NumPy calls; each is one pass over every
+`keras_math` repeats Keras's NumPy calls; each is one pass over every
 element, and NumPy reduces 128-element groups one by one. Numba compiles
 the same arithmetic into loops over each row that LLVM vectorizes: per
 element of an 8 MiB float32 block of Gemma-7B width, one thread, int4
@@ -12,13 +12,13 @@ in Python (no C extension to build per platform); it is imported, and the
 kernels loaded from its on-disk cache (compiled once: 5.4 s), only when a
 load quantizes (`prepare`).
 
-The results are `quantize_math`'s (so Keras's) to the bit, by these steps:
+The results are `keras_math`'s (so Keras's) to the bit, by these steps:
 
 - statistics are taken on int32 keys that order as the floats do
   (`bits ^ ((bits >> 31) & 0x7FFFFFFF)`): integer `min` / `max` are exact
   and vectorize without fast-math. A NaN's key lies beyond both infinities,
   so a block holding one is found from its statistics alone (`None`: the
-  caller takes `quantize_math`'s path, which propagates NaN as Keras does);
+  caller takes `keras_math`'s path, which propagates NaN as Keras does);
 - a float32 value is rounded to bfloat16 as `ml_dtypes` does for every
   non-NaN (round to nearest, ties to even, on the bits);
 - division, multiplication and comparisons are IEEE float32 operations,
@@ -32,7 +32,7 @@ The results are `quantize_math`'s (so Keras's) to the bit, by these steps:
   them (low nibble first, a lone last value packed with zero).
 
 The kernels work on 2-D C-contiguous float32 blocks; the caller views its
-blocks so, and keeps `quantize_math` for any other dtype.
+blocks so, and keeps `keras_math` for any other dtype.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_hub_dist.formats import quantize_math as qm
+from keras_hub_dist.quantize import keras_math as qm
 
 __all__ = [
     "int4_stats", "int4_values", "int8_abs_max", "int8_abs_max_run", "int8_values", "int8_values_run",
@@ -74,9 +74,9 @@ def _has_nan(low: np.ndarray, high: np.ndarray) -> bool:
 
 @functools.cache
 def _kernels() -> Any:
-    # Imported on first use: `_quantize_jit` imports Numba (0.5 s), which
+    # Imported on first use: `_jit` imports Numba (0.5 s), which
     # only a quantized load needs.
-    return importlib.import_module("keras_hub_dist.formats._quantize_jit")
+    return importlib.import_module("keras_hub_dist.quantize._jit")
 
 
 def prepare() -> None:
@@ -114,7 +114,7 @@ def _keys_down_columns(x: np.ndarray, first: int, block: int, groups: int) -> tu
 
 def int4_stats(x: np.ndarray, axis: int, first: int, block: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Per-group `(min, max)` of `x` (float32, 2-D, C-contiguous), as
-    `quantize_math.group_stats(x, axis, first, block)` gives them (float32);
+    `keras_math.group_stats(x, axis, first, block)` gives them (float32);
     `None` if `x` holds a NaN."""
     touched = (first + x.shape[axis] - 1) // block - first // block + 1
     if axis == 1:
@@ -129,7 +129,7 @@ def int4_stats(x: np.ndarray, axis: int, first: int, block: int) -> tuple[np.nda
 
 
 def int8_abs_max(x: np.ndarray, axis: int) -> np.ndarray | None:
-    """`quantize_math.abs_max(x, (axis,))` of `x` (float32, 2-D,
+    """`keras_math.abs_max(x, (axis,))` of `x` (float32, 2-D,
     C-contiguous); `None` if `x` holds a NaN."""
     if axis == 0:
         low, high = _keys_down_columns(x, 0, max(1, x.shape[0]), 1)
@@ -157,7 +157,7 @@ def int4_values(
 
 
 def int8_values(x: np.ndarray, round_bf16: bool, scale: np.ndarray, axis: int, out: np.ndarray) -> None:
-    """`quantize_math.int8_values(x, scale)` of `x` (float32, 2-D,
+    """`keras_math.int8_values(x, scale)` of `x` (float32, 2-D,
     C-contiguous; rounded to bfloat16 first if `round_bf16`) whose float32
     `scale` (finite) reduces `axis` (one per column for 0, per row for 1),
     into `out` (int8, any strides)."""
@@ -167,7 +167,7 @@ def int8_values(x: np.ndarray, round_bf16: bool, scale: np.ndarray, axis: int, o
 
 
 def int8_abs_max_run(x: np.ndarray) -> np.ndarray | None:
-    """`quantize_math.abs_max(x, (1,))` of `x` (float32, 3-D: the axes
+    """`keras_math.abs_max(x, (1,))` of `x` (float32, 3-D: the axes
     before the reduced run, the run, the axes after it; C-contiguous),
     keepdims; `None` if `x` holds a NaN."""
     a, b, c = x.shape

@@ -45,7 +45,7 @@ already installed with `requests`) lets a body land in its final buffer and a
 cut body resume where it stopped. s3fs, gcsfs and the Hub's `HfFileSystem`
 were not measured (s3fs and gcsfs are fsspec filesystems on aiohttp whose
 `cat_ranges` returns `bytes` the same way). Credentials and addressing stay
-with each store's own library (`formats.object_stores`).
+with each store's own library (`storage.object_stores`).
 
 Example:
 

@@ -24,7 +24,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from keras_hub_dist.formats import host_io, transforms
+from keras_hub_dist.formats import transforms
+from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import Index, TensorSource
 
 __all__ = ["FlatReshape", "blockwise_reshape", "flat_boxes"]

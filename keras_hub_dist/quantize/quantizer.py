@@ -6,8 +6,8 @@ places its blocks, and nothing but quantized blocks ever reaches a device.
 For one float tensor (`plan.quantization.QuantizedTensor`) a
 `TensorQuantizer` reads blocks of the float source (cast on the host to the
 float variable's dtype, as stock assigns it), and computes with
-`quantize_kernels` (compiled loops, bitwise) where they apply,
-else with `quantize_math` (Keras's own NumPy steps, bitwise):
+`kernels` (compiled loops, bitwise) where they apply,
+else with `keras_math` (Keras's own NumPy steps, bitwise):
 
 - `values_source()`: the int8 values (int4 values packed two per byte), of
   any block;
@@ -20,7 +20,7 @@ reduced extent (int8: `max |x|` over the reduced axes; int4: per-group `min`
 them itself and keeps them for the scale and zero (small: one per channel or
 group); the scale and zero read them from there, or compute them from the
 float tensor if no values block did. Where the layout splits the reduced
-extent across devices (row-parallel projections), `quantize_combine` runs
+extent across devices (row-parallel projections), `combine` runs
 first: each process reads its own blocks once, reduces them on the host to
 partial statistics, and one small collective (`np.maximum` over processes of
 a vector, never the kernel) completes them on every process.
@@ -45,11 +45,12 @@ from typing import Any
 
 import numpy as np
 
-from keras_hub_dist.formats import host_io, transforms
-from keras_hub_dist.formats import quantize_kernels as qk
-from keras_hub_dist.formats import quantize_math as qm
+from keras_hub_dist.formats import transforms
+from keras_hub_dist.storage import host_io
+from keras_hub_dist.quantize import kernels as qk
+from keras_hub_dist.quantize import keras_math as qm
 from keras_hub_dist.formats.base import Index, TensorSource, full_index, index_slices, numpy_dtype
-from keras_hub_dist.formats.flat_reshape import blockwise_reshape
+from keras_hub_dist.quantize.flat_reshape import blockwise_reshape
 from keras_hub_dist.plan.quantization import (
     Int4Rule,
     Int8Rule,
@@ -342,7 +343,7 @@ class TensorQuantizer:
         return tuple(s.astype(self.float_dtype, copy=False) for s in stats)
 
     def _kernel_view(self, block: np.ndarray) -> np.ndarray | None:
-        """`block` as the kernels (`quantize_kernels`) take it, or `None`:
+        """`block` as the kernels (`kernels`) take it, or `None`:
         int4's matrix; an int8 block whose reduced axes are one run, viewed
         as (the axes before, the run, the axes after)."""
         if isinstance(self.rule, Int4Rule):

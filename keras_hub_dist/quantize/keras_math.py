@@ -21,7 +21,7 @@ the bit, on any block:
 Only the reduction inputs move: a stored zero's sign never matters (`max -
 min` and `round(-min / scale)` give the same values for `+0` and `-0`).
 In-place steps (`out=`) and a bfloat16 block widened to float32 first (by
-`formats.quantize`: every block-sized step of Keras on a bfloat16 kernel is
+`quantize.quantizer`: every block-sized step of Keras on a bfloat16 kernel is
 a float32 one by NumPy's promotion, and its reductions are exact) compute
 the same values faster; so do a rounding and its int8 cast in one ufunc
 call, `reduceat` for groups along the last axis and int4 pairs packed as

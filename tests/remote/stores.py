@@ -68,7 +68,7 @@ from typing import Iterator
 
 import urllib3
 
-from remote_servers import GCS_OBJECT, RangeServer, resolve_range, walk_files
+from remote.servers import GCS_OBJECT, RangeServer, resolve_range, walk_files
 
 AWS_TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                         "AWS_DEFAULT_REGION": "us-east-1"}

@@ -14,7 +14,7 @@ are not weights (`keras_hub_dir`).
   (Kaggle's download API is what KerasHub uses; range reads of it were not
   available to test here, so a `RemoteDownloadWarning` says so).
 - `RemoteLocation`: `s3://`, `gs://`, `hf://`, `http(s)://` (see
-  `formats.object_stores`): small files are fetched into memory, weight
+  `storage.object_stores`): small files are fetched into memory, weight
   files are never downloaded whole, and the files KerasHub's tokenizer
   loaders read from disk (only for `task=...`) are fetched into a temporary
   directory that is removed after the load (or kept in `cache_dir`).
@@ -41,9 +41,9 @@ from typing import Any
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError, RemoteDownloadWarning
-from keras_hub_dist.formats import host_io
-from keras_hub_dist.formats.object_stores import REMOTE_SCHEMES, Store, open_store, parse_hub_location
-from keras_hub_dist.formats.ranged_http import RangeClient
+from keras_hub_dist.storage import host_io
+from keras_hub_dist.storage.object_stores import REMOTE_SCHEMES, Store, open_store, parse_hub_location
+from keras_hub_dist.storage.ranged_http import RangeClient
 
 __all__ = [
     "KerasHubHandle",

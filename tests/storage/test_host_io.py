@@ -6,7 +6,7 @@ import gc
 import numpy as np
 import pytest
 
-from keras_hub_dist.formats import host_io
+from keras_hub_dist.storage import host_io
 
 MIB = 1 << 20
 SIZE = 8 * MIB  # over the pool's minimum: an anonymous mapping of its own

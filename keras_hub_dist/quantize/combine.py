@@ -30,7 +30,7 @@ import numpy as np
 from keras_hub_dist import _processes
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats.base import Index, full_index, index_slices
-from keras_hub_dist.formats.quantize import TensorQuantizer
+from keras_hub_dist.quantize.quantizer import TensorQuantizer
 from keras_hub_dist.plan.quantization import Int8Rule
 
 __all__ = ["combine_statistics", "sharding_blocks"]

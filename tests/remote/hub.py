@@ -39,7 +39,7 @@ import time
 import urllib.parse
 from typing import Mapping
 
-from remote_http import Blob, make_blob  # a sibling: tests/ is on sys.path
+from remote.http_blobs import Blob, make_blob
 
 LFS_SUFFIXES = (".safetensors", ".h5", ".bin", ".pt", ".pth", ".ckpt", ".npz", ".npy",
                 ".msgpack", ".onnx", ".gguf", ".keras", ".tflite", ".pkl", ".zip", ".gz")
