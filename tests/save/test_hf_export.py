@@ -291,7 +291,7 @@ def test_plan_writes_each_block_once_over_processes(root):
     model = load_sharded_preset(_hf_dir(root, "qwen3"), mesh=(1, 8), progress=False)
     mapping = hf_export._mapping_of(model, None, None)
     layout = hf_export.plan_files(mapping.tensors)
-    weight_set = hf_export._weight_set(model, (), "", None)
+    weight_set = hf_export.weight_set_of(model, (), "", None)
     class OtherProcess:  # devices 4..7 on process 1
         def __init__(self, device):
             self.id, self.process_index = device.id, int(device.id >= 4)
