@@ -32,6 +32,7 @@ import numpy as np
 __all__ = [
     "broadcast_string",
     "check_all",
+    "gather_bytes",
     "gather_strings",
     "max_over_processes",
     "sum_over_processes",
@@ -60,6 +61,17 @@ def gather_strings(text: str) -> list[str]:
         length = int.from_bytes(row[:4].tobytes(), "little")
         out.append(row[4 : 4 + length].tobytes().decode("utf-8", errors="replace"))
     return out
+
+
+def gather_bytes(data: bytes) -> list[bytes]:
+    """Every process's `data`, whole, in process order (on every process):
+    the lengths first, then the bytes padded to the longest."""
+    if jax.process_count() == 1:
+        return [data]
+    lengths = _allgather(np.array([len(data)], np.int64)).reshape(-1)
+    padded = np.zeros(max(1, int(lengths.max())), np.uint8)
+    padded[: len(data)] = np.frombuffer(data, np.uint8)
+    return [row[: int(n)].tobytes() for row, n in zip(_allgather(padded), lengths)]
 
 
 def broadcast_string(text: str) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.storage.locations import Location
+from keras_hub_dist.storage.locations import Location, is_url
 from keras_hub_dist.plan import presets
 
 __all__ = ["PresetSource", "read_config", "read_metadata", "resolve_source"]
@@ -92,11 +92,11 @@ def resolve_source(preset: Any) -> PresetSource:
             "preset name or handle, or a keras_hub_dist architecture name. "
             f"Received: preset={preset!r}."
         )
+    short = preset.rstrip("/").split("/")[-1]
+    if is_url(preset):  # before any local look-up: a URL is never a local path
+        return PresetSource(preset, preset, short)
     if os.path.isdir(preset):
         return PresetSource(preset, preset, os.path.basename(os.path.normpath(preset)))
-    short = preset.rstrip("/").split("/")[-1]
-    if "://" in preset:
-        return PresetSource(preset, preset, short)
     if preset in _compat.builtin_preset_names():
         return PresetSource(preset, preset, short)
     try:

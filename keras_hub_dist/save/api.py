@@ -21,7 +21,8 @@ from typing import Any
 import keras
 
 from keras_hub_dist.errors import SaveError
-from keras_hub_dist.save import hf_export, saver
+from keras_hub_dist.save import hf_export, remote_save, saver
+from keras_hub_dist.storage.locations import is_url
 
 __all__ = ["FORMATS", "save_sharded_preset"]
 
@@ -142,6 +143,9 @@ def save_sharded_preset(
     keras_hub_dist.save_sharded_preset(lm, "./gemma_7b_hf", format="huggingface")
     ```
     """
+    if isinstance(preset_dir, str) and is_url(preset_dir):  # never a local path
+        _save_remote(model, preset_dir, format, overwrite, progress, max_shard_size, dtype, durable)
+        return
     if format == "keras":
         if dtype is not None:
             raise SaveError(
@@ -161,3 +165,35 @@ def save_sharded_preset(
         )
     else:
         raise SaveError(f"Expected format to be one of {FORMATS}. Received: format={format!r}.")
+
+
+def _save_remote(
+    model: Any, url: str, format: str, overwrite: bool, progress: bool | None,  # noqa: A002
+    max_shard_size: Any, dtype: Any, durable: bool,
+) -> None:
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in remote_save.SCHEMES:
+        raise SaveError(
+            f"Expected preset_dir to be a local directory or an object store URL "
+            f"({', '.join(s + '://' for s in remote_save.SCHEMES)}). Received: {url!r}. "
+            + ("Pushing to the Hugging Face Hub is not supported: save to a local directory, "
+               "then upload it with `huggingface-cli upload`." if scheme == "hf" else
+               "Save to a local directory or a bucket.")
+        )
+    if format != "keras":
+        raise SaveError(
+            f"Expected format='keras' for a save into {url!r}. Received: format={format!r}. "
+            "Writing the Hugging Face format into object storage is not supported yet: "
+            "save it to a local directory."
+            if format == "huggingface" else
+            f"Expected format to be one of {FORMATS}. Received: format={format!r}."
+        )
+    if dtype is not None or durable:
+        raise SaveError(
+            f"Expected dtype=None and durable=False for a save into {url!r} (an object is "
+            f"durable once written). Received: dtype={dtype!r}, durable={durable!r}."
+        )
+    remote_save.save_keras_remote(
+        model, url, overwrite=overwrite, progress=progress,
+        max_shard_size=10 if max_shard_size is _DEFAULT else max_shard_size,
+    )

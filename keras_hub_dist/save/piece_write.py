@@ -157,7 +157,7 @@ class PieceWriter:
 
     def _put(self, fd: int, path: str, runs: ByteRuns, values: np.ndarray, copied: bool) -> None:
         """Writes contiguous `values` at `runs` of `path`, counted and told."""
-        self.stats.write_calls += host_io.write_runs(fd, runs, values)
+        self.stats.write_calls += host_io.write_runs(self.files, fd, runs, values)
         self.stats.bytes_written += values.nbytes
         if copied:
             self.stats.bytes_copied += values.nbytes

@@ -138,10 +138,10 @@ def save_sharded_preset(
         _processes.check_all(error, SaveError, f"Preparing {folder!r} failed")
 
         plans: list[SavePlan] = []
-        error = _guard(lambda: plans.extend(_plan(folder, s) for s in sets))
+        error = _guard(lambda: plans.extend(plan_writes(folder, s) for s in sets))
         _processes.check_all(error, SaveError, "Planning the writes failed")
 
-        error = _write(sets, plans, progress, base, durable)
+        error = write_blocks(sets, plans, progress, base, durable)
         _processes.check_all(error, SaveError, "Writing the weights failed")
 
         files = weights_files_of(folder, sets)
@@ -318,7 +318,15 @@ def prepare_preset(
     owner record) holding config.json, task.json, the preprocessor's files
     and every weights file of `sets` laid out, datasets allocated and
     unfilled; run by one process (`save_sharded_preset`) or by `convert`."""
-    folder = _create_staging(target, token, durable)
+    write_preset_files(_create_staging(target, token, durable), backbone, task, sets, names)
+
+
+def write_preset_files(
+    folder: str, backbone: Any, task: Any, sets: list[WeightSet], names: dict[str, str]
+) -> None:
+    """Writes into `folder` what `save_to_preset` writes but metadata.json,
+    with every weights file of `sets` laid out, datasets allocated and
+    unfilled (sparse: only the HDF5 metadata is written)."""
     if task is not None:
         _compat.save_preset_config(task, folder, names["task"])
     _compat.save_preset_config(backbone, folder, names["config"])
@@ -330,7 +338,16 @@ def prepare_preset(
         )
 
 
-def _plan(folder: str, weight_set: WeightSet) -> SavePlan:
+def plan_writes(folder: str, weight_set: WeightSet) -> SavePlan:
+    """This process's writes of `weight_set`, laid out in `folder`."""
+    return plan_save(
+        save_requests(folder, weight_set), process_index=jax.process_index(), process_count=jax.process_count()
+    )
+
+
+def save_requests(folder: str, weight_set: WeightSet) -> list[SaveRequest]:
+    """Every value of `weight_set` with its place in the files laid out in
+    `folder` and the devices holding each of its blocks (`plan_save`'s input)."""
     path = os.path.join(folder, weight_set.file_name)
     try:
         on_disk = keras_h5.read_datasets(keras_h5.weights_files(path))
@@ -355,21 +372,27 @@ def _plan(folder: str, weight_set: WeightSet) -> SavePlan:
                 None if sharding is None else _device_indices(sharding, dataset.shape),
             )
         )
-    return plan_save(requests, process_index=jax.process_index(), process_count=jax.process_count())
+    return requests
 
 
-def _write(
-    sets: list[WeightSet], plans: list[SavePlan], progress: bool | None, base: str, durable: bool
+def write_blocks(
+    sets: list[WeightSet], plans: list[SavePlan], progress: bool | None, base: str, durable: bool,
+    files: Any = None, after_value: Any = None,
 ) -> str | None:
     """Writes this process's blocks (and with `durable` flushes them to the
     disk); returns its first error as a message.
+
+    `files` is what the blocks are written through (default: the files in
+    place, `host_io.FileDescriptors`); `after_value(name)` runs on every
+    process after each value, in the walk's order (a collective step may go
+    there: every process calls it for every value, errors or not).
 
     After a failed write the walks still run to their end: a LoRA-merged
     kernel is computed by all processes together, so every process must
     reach every value.
     """
     # No O_CREAT / O_TRUNC: the files and their datasets exist already.
-    files = host_io.FileDescriptors(os.O_WRONLY)
+    files = host_io.FileDescriptors(os.O_WRONLY) if files is None else files
     stats = WriteStats()
     on_cpu = all(d.platform == "cpu" for d in jax.local_devices())
     bar = byte_progress(sum(p.nbytes for p in plans), f"Saving {base}", progress)
@@ -380,8 +403,12 @@ def _write(
             by_name = {v.name: v for v in plan.values}
 
             def write(name: str, key: str, value: Any) -> None:
-                if error:
-                    return
+                if not error:
+                    write_one(name, value)
+                if after_value is not None:
+                    after_value(name)
+
+            def write_one(name: str, value: Any) -> None:
                 entry = by_name[name]
                 try:
                     write_value(entry, _saved_array(value), files, stats, on_cpu=on_cpu)
@@ -448,6 +475,13 @@ def finish_preset(
     """Writes metadata.json with the files' checksums (`digests`) and
     publishes `folder` as `target` (`staging.publish`), once every block is
     written."""
+    write_metadata(folder, backbone, files, digests, names)
+    staging.publish(folder, target, token, durable=durable)
+
+
+def write_metadata(folder: str, backbone: Any, files: list[str], digests: np.ndarray, names: dict[str, str]) -> None:
+    """Writes `save_to_preset`'s metadata.json into `folder`, with the
+    checksums of `files` (`digests`: one row per chunk, `checksums.all_chunks`)."""
     recorded = checksums.entries(files, digests)
     _compat.save_preset_metadata(backbone, folder)
     metadata_path = os.path.join(folder, names["metadata"])
@@ -456,4 +490,3 @@ def finish_preset(
     metadata[checksums.METADATA_KEY] = {"checksums": recorded}
     with open(metadata_path, "w", encoding="utf-8") as f:
         f.write(json.dumps(metadata, indent=4))
-    staging.publish(folder, target, token, durable=durable)

@@ -107,7 +107,7 @@ def write_value(
     fd = files(plan.file)
     if _strategy(plan.blocks, on_cpu) == "direct":
         for block, values in _block_values(value, plan):
-            stats.write_calls += host_io.write_runs(fd, block.runs, _check(plan, values, block))
+            stats.write_calls += host_io.write_runs(files, fd, block.runs, _check(plan, values, block))
             stats.bytes_written += block.nbytes
             stats.blocks += 1
             del values
@@ -121,6 +121,6 @@ def write_value(
     offsets, lengths, owners, sources = host_io.sorted_pieces(runs)
     for i, j in host_io.contiguous_groups(offsets, lengths):
         iovecs = [views[owners[k]][sources[k] : sources[k] + lengths[k]] for k in range(i, j)]
-        stats.write_calls += host_io.pwritev_full(fd, iovecs, offsets[i])
+        stats.write_calls += files.pwritev(fd, iovecs, offsets[i])
         stats.bytes_written += sum(lengths[i:j])
     stats.blocks += len(blocks)

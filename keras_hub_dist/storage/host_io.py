@@ -159,6 +159,11 @@ class FileDescriptors:
             self._fds[path] = os.open(path, self._flags)
         return self._fds[path]
 
+    def pwritev(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        """`pwritev_full`: the positioned write every writer of a preset
+        calls (`part_uploads.PartUploads` is the object stores' twin)."""
+        return pwritev_full(fd, buffers, offset)
+
     def sync(self) -> None:
         """Flushes every open file to the disk (`os.fsync`)."""
         for fd in self._fds.values():
@@ -384,8 +389,9 @@ def pwritev_full(fd: int, buffers: list[memoryview], offset: int) -> int:
     return calls
 
 
-def write_runs(fd: int, runs: ByteRuns, values: np.ndarray) -> int:
-    """Writes C-contiguous `values` as `runs`, one after another.
+def write_runs(files: Any, fd: Any, runs: ByteRuns, values: np.ndarray) -> int:
+    """Writes C-contiguous `values` as `runs`, one after another, through
+    `files.pwritev` (`FileDescriptors`, or `part_uploads.PartUploads`).
 
     Returns:
         The number of `pwritev` calls made.
@@ -397,7 +403,7 @@ def write_runs(fd: int, runs: ByteRuns, values: np.ndarray) -> int:
         end = position + length
         while position < end:  # at most MAX_READ per call
             step = min(end - position, MAX_READ)
-            calls += pwritev_full(fd, [flat[position : position + step]], offset)
+            calls += files.pwritev(fd, [flat[position : position + step]], offset)
             position += step
             offset += step
     return calls

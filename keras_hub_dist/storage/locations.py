@@ -52,6 +52,7 @@ __all__ = [
     "RemoteLocation",
     "WEIGHT_SUFFIXES",
     "is_remote",
+    "is_url",
     "open_location",
 ]
 
@@ -69,9 +70,16 @@ _KNOWN_SMALL_FILES = (
 )
 
 
+def is_url(text: str) -> bool:
+    """Whether `text` is a URL (`scheme://...`): never a local path, even
+    where a local directory of that name (`./s3:/bucket/x`) exists."""
+    scheme, sep, _ = text.partition("://")
+    return bool(sep) and scheme.isascii() and scheme.replace("+", "").replace("-", "").isalnum()
+
+
 def is_remote(preset: str) -> bool:
     """Whether `preset` names a location read by byte ranges."""
-    return "://" in preset and preset.split("://", 1)[0].lower() in REMOTE_SCHEMES
+    return is_url(preset) and preset.split("://", 1)[0].lower() in REMOTE_SCHEMES
 
 
 class Location(abc.ABC):
@@ -320,7 +328,7 @@ def open_location(
 ) -> Location:
     """The `Location` of what `resolve_source` resolved `preset` to: a local
     directory, a remote location, or a KerasHub handle."""
-    if os.path.isdir(preset):
+    if not is_url(preset) and os.path.isdir(preset):
         return LocalDirectory(preset)
     if preset.lower().startswith("hf://") and _hub_offline():
         return LocalDirectory(_hub_snapshot(preset))

@@ -60,7 +60,7 @@ from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import Index, StoredTensor, StoredTensorSource, TensorSource
 from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.pieces import NotAffine, Piece, block_writes, identity, pieces_of
-from keras_hub_dist.storage.locations import Location, is_remote, open_location
+from keras_hub_dist.storage.locations import Location, is_remote, is_url, open_location
 from keras_hub_dist.storage.ranged_http import RangeClient
 from keras_hub_dist.formats.safetensors_writer import plan_files
 from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
@@ -290,6 +290,12 @@ def convert_checkpoint(
     if to not in TARGETS:
         raise SaveError(f"Expected to= one of {TARGETS}. Received: to={to!r}.")
     wanted_dtype = hf_export.check_dtype(dtype, to)
+    if isinstance(target, str) and is_url(target):  # never a local path
+        raise SaveError(
+            f"Expected target to be a local directory. Received: {target!r}. Converting into "
+            "object storage is not supported yet: convert to a local directory, or load the "
+            "source and save it with save_sharded_preset(model, url)."
+        )
     resolved = resolve_source(source)
     client = RangeClient() if is_remote(resolved.ref) else None
     try:

@@ -1,0 +1,226 @@
+"""Benchmark: saving into object storage (issue 30): ours straight into S3
+vs the path a user takes today (save locally, then upload the files with
+boto3's transfer manager) vs the store's own floor (the same bytes uploaded
+from memory).
+
+Side by side in one run, each case in a fresh subprocess on 8 simulated CPU
+devices, mesh (1, 8), the probe loaded with `load_sharded_preset` first (not
+timed). The store is moto's S3 server on loopback, in a process of its own
+(so it shares no GIL with the client; it keeps objects in memory):
+
+- `ours`: `save_sharded_preset(model, "s3://bench/ours-N")`;
+- `local_upload`: `save_sharded_preset(model, LOCAL_DIR)` then, per file,
+  boto3's `upload_file` (`TransferConfig`: 64 MiB parts, 10 threads), the
+  local directory removed after (its bytes count as written to disk);
+- `floor`: boto3's `upload_fileobj` of one in-memory buffer of the weights'
+  size (64 MiB parts, 10 threads): what the store ingests at best.
+
+Measured per case: wall of the save (or save + upload), CPU seconds, host
+RSS growth (peak during the case over the RSS after the load), bytes the
+process wrote to disk (`write_bytes` of /proc/self/io), bytes uploaded; with
+`--memory` also per-device peak / final (the `MemorySampler`, every 2 ms).
+
+Usage (heavy: run under the machine's heavy-job lock):
+
+    flock /tmp/khd-heavy.lock python benchmarks/bench_remote_save.py --config width1 --repeats 3
+    python benchmarks/bench_remote_save.py --config small --repeats 1   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH)
+sys.path[:0] = [BENCH, REPO, os.path.join(REPO, "tests")]
+from bench_load import CONFIGS, RESULT_TAG, _env, run_capped  # noqa: E402
+
+CONFIGS = {
+    **CONFIGS,
+    # A smoke-run size: Gemma-7B's width cut to 1/8 (two 5 MiB parts).
+    "small": dict(architecture="gemma_7b_en", dtype="float32",
+                  overrides=dict(num_layers=1, vocabulary_size=8192, intermediate_dim=3072)),
+}
+CASES = ("ours", "local_upload", "floor")
+PART_BYTES = 64 << 20
+
+
+def _disk_written() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes"))
+
+
+def _serve() -> None:
+    """The moto server (a process of its own): prints its endpoint, stops on EOF."""
+    from remote.stores import MotoS3
+
+    with MotoS3() as server:
+        server.client().create_bucket(Bucket="bench")
+        print(server.endpoint, flush=True)
+        sys.stdin.read()
+
+
+def _s3_client(endpoint: str):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
+def run_case(args) -> None:
+    import resource
+
+    import jax
+
+    import keras_hub_dist
+    from keras_hub_dist.measure import memory
+
+    os.environ.update(AWS_ENDPOINT_URL=args.endpoint, AWS_ACCESS_KEY_ID="testing",
+                      AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    model = None
+    if args.case != "floor":
+        model = keras_hub_dist.load_sharded_preset(args.preset, mesh=(1, 8), progress=False)
+        jax.block_until_ready([v.value for v in model.weights])
+    weights = sum(os.path.getsize(os.path.join(args.preset, f)) for f in os.listdir(args.preset)
+                  if f.endswith(".h5"))
+    buffer = bytearray(weights) if args.case == "floor" else None
+    sampler = memory.MemorySampler(interval_s=0.002) if args.memory and model is not None else None
+    memory.reset_host_peak_rss()
+    rss0 = memory.current_rss_bytes()
+    disk0 = _disk_written()
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    if sampler is not None:
+        sampler.__enter__()
+    if args.case == "ours":
+        keras_hub_dist.save_sharded_preset(model, f"s3://bench/ours-{args.run}")
+    elif args.case == "local_upload":
+        from boto3.s3.transfer import TransferConfig
+
+        local = os.path.join(args.workdir, f"local-{args.run}")
+        keras_hub_dist.save_sharded_preset(model, local)
+        client = _s3_client(args.endpoint)
+        config = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, max_concurrency=10)
+        for root, _, names in os.walk(local):
+            for name in names:
+                path = os.path.join(root, name)
+                client.upload_file(path, "bench", f"theirs-{args.run}/{os.path.relpath(path, local)}", Config=config)
+        shutil.rmtree(local)
+    else:
+        import io
+
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, max_concurrency=10)
+        _s3_client(args.endpoint).upload_fileobj(io.BytesIO(buffer), "bench", f"floor-{args.run}", Config=config)
+    wall = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result = {
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime - usage0.ru_utime - usage0.ru_stime,
+        "weights_bytes": weights,
+        "model_bytes": sum(v.value.nbytes for v in model.weights) if model is not None else weights,
+        "rss_growth": max(memory.host_peak_rss_bytes(), memory.current_rss_bytes()) - rss0,
+        "disk_written": _disk_written() - disk0,
+    }
+    if sampler is not None:
+        sampler.sample()
+        sampler.__exit__(None, None, None)
+        start_per_device = sampler.start_per_device
+        peaks = {d: p - start_per_device.get(d, 0) for d, p in sampler.peak_per_device.items()}
+        finals = {d: f - start_per_device.get(d, 0) for d, f in sampler.final_per_device.items()}
+        # Saving adds nothing that stays: peak over what the devices held.
+        held = {d: start_per_device.get(d, 0) for d in peaks}
+        result["device_peak_over_held"] = max((held[d] + peaks[d]) / held[d] for d in peaks if held[d])
+        result["device_final_change"] = max(abs(f) for f in finals.values())
+    sys.stdout.write(RESULT_TAG + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if len(values) % 2 else sum(values[len(values) // 2 - 1:][:2]) / 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="width1")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory", action="store_true", help="also a run of each save with the memory sampler")
+    parser.add_argument("--workdir", default="/work/bench_tmp/bench_remote_save")
+    parser.add_argument("--keep", action="store_true", help="keep the probe")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--preset", help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--run", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        return _serve()
+    if args.case:
+        return run_case(args)
+
+    import keras_hub_dist
+
+    os.makedirs(args.workdir, exist_ok=True)
+    config = CONFIGS[args.config]
+    preset = os.path.join(args.workdir, f"probe-{args.config}")
+    if not os.path.exists(os.path.join(preset, "config.json")):
+        keras_hub_dist.write_synthetic_preset(preset, config["architecture"], dtype=config["dtype"],
+                                              progress=False, **config["overrides"])
+    server = subprocess.Popen([sys.executable, __file__, "--serve"], env=_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    endpoint = server.stdout.readline().strip()
+    results: dict[str, list[dict]] = {c: [] for c in CASES}
+    try:
+        run = 0
+        for repeat in range(args.repeats):
+            for case in CASES:
+                run += 1
+                command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
+                           "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run)]
+                result = run_capped(command, 0)
+                results[case].append(result)
+                print(case, repeat, json.dumps({k: v for k, v in result.items() if k != "stderr_tail"}),
+                      flush=True)
+                if result.get("failed"):
+                    print(result.get("stderr_tail"), file=sys.stderr)
+        if args.memory:
+            for case in ("ours", "local_upload"):
+                run += 1
+                command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
+                           "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run), "--memory"]
+                results[f"{case}_mem"] = [run_capped(command, 0)]
+    finally:
+        server.stdin.close()
+        server.wait(30)
+        if not args.keep:
+            shutil.rmtree(preset, ignore_errors=True)
+    ok = {c: [r for r in rs if "wall_s" in r and not r.get("failed")] for c, rs in results.items()}
+    wall = {c: _median([r["wall_s"] for r in rs]) for c, rs in ok.items() if rs}
+    weights = ok["ours"][0]["weights_bytes"] if ok["ours"] else 0
+    print(f"\nconfig {args.config}: weights {weights / 1e9:.2f} GB, medians of {args.repeats}")
+    print(f"{'case':<14}{'wall s':>9}{'vs ours':>9}{'MB/s':>8}{'cpu s':>8}{'RSS growth/model':>18}{'disk written':>14}")
+    for case, rs in ok.items():
+        if not rs or case.endswith("_mem"):
+            continue
+        w = wall[case]
+        print(f"{case:<14}{w:>9.2f}{w / wall['ours']:>8.2f}x{weights / w / 1e6:>8.0f}"
+              f"{_median([r['cpu_s'] for r in rs]):>8.1f}"
+              f"{_median([r['rss_growth'] / r['model_bytes'] for r in rs]):>18.3f}"
+              f"{_median([r['disk_written'] for r in rs]) / 1e6:>11.1f} MB")
+    for case in ("ours_mem", "local_upload_mem"):
+        for r in ok.get(case, []):
+            print(f"{case}: device peak / held {r.get('device_peak_over_held', float('nan')):.3f}, "
+                  f"final change {r.get('device_final_change', 0)} B")
+
+
+if __name__ == "__main__":
+    main()

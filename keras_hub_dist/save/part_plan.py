@@ -1,0 +1,151 @@
+"""Which process uploads which part of each weights file: the plan of a save
+into object storage.
+
+A multipart upload's part is uploaded whole by one process, so all of its
+bytes must be on that process. Parts are fixed 64 MiB ranges of the file
+(one checksum chunk each, `storage.part_uploads`); the write plan
+(`save.write_plan`: each block written once, by a device that holds it)
+says which process writes which bytes. Here, pure functions over those
+plans (no device, no file) decide per part:
+
+- its **owner**, the process that uploads it: the only process that writes
+  bytes of it, if there is one (nothing moves), else the one with the fewest
+  bytes to upload so far (its bytes are combined anyway), so each process
+  uploads about its share and a process-contiguous layout moves nothing;
+- whether it is **mixed**: other processes write bytes of it too. A mixed
+  part's bytes are combined on its owner before the upload: every process
+  fills a zeroed buffer with its own bytes of the part, and the buffers are
+  summed over the processes (the bytes are disjoint, so the sum is the
+  part), slice by slice (`save.remote_save`);
+- **when** it can be combined: after the last value (in the order Keras's
+  walk writes them, which is the file's order) that has bytes in it.
+
+The skeleton's bytes (HDF5 metadata around the values) are written by each
+part's owner only, so every byte of a mixed part has exactly one writer.
+
+Example:
+
+```python
+plans = [plan_save(requests, process_index=p, process_count=2) for p in range(2)]
+parts = plan_parts({"w.h5": size}, plans, part_bytes=64 << 20)
+parts["w.h5"].owners[0], parts["w.h5"].mixed, parts["w.h5"].combine_after
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from keras_hub_dist.save.write_plan import SavePlan
+
+__all__ = ["FileParts", "plan_parts"]
+
+
+@dataclass(frozen=True)
+class FileParts:
+    """The parts of one weights file.
+
+    Attributes:
+        size: The file's length.
+        part_bytes: Bytes per part but the last.
+        owners: Per part (index `number - 1`), the process that uploads it.
+        mixed: Numbers of the parts several processes write bytes of.
+        combine_after: Mixed part number -> the name of the last value (in
+            walk order) with bytes in it: combine once it is written.
+        bytes_by_process: Per part, bytes each process writes (values only).
+    """
+
+    size: int
+    part_bytes: int
+    owners: tuple[int, ...]
+    mixed: frozenset[int]
+    combine_after: Mapping[int, str]
+    bytes_by_process: np.ndarray
+
+    def owned_by(self, process: int) -> frozenset[int]:
+        """The part numbers `process` uploads."""
+        return frozenset(k + 1 for k, owner in enumerate(self.owners) if owner == process)
+
+
+def _add_runs(counts: np.ndarray, offsets: np.ndarray, length: int, part_bytes: int) -> None:
+    """Adds runs `[offset, offset + length)` to `counts` (bytes per part)."""
+    if not len(offsets) or not length:
+        return
+    if length <= part_bytes:  # each run spans at most two parts
+        first = offsets // part_bytes
+        head = np.minimum(length, (first + 1) * part_bytes - offsets)
+        np.add.at(counts, first, head)
+        tail = length - head
+        spill = tail > 0
+        np.add.at(counts, first[spill] + 1, tail[spill])
+        return
+    for offset in offsets.tolist():
+        position, end = offset, offset + length
+        while position < end:
+            part = position // part_bytes
+            step = min(end, (part + 1) * part_bytes) - position
+            counts[part] += step
+            position += step
+
+
+def _run_offsets(runs) -> np.ndarray:
+    offsets = np.array([runs.offset], dtype=np.int64)
+    for count, stride in zip(runs.counts, runs.strides):
+        offsets = np.add.outer(offsets, np.arange(count, dtype=np.int64) * stride).reshape(-1)
+    return offsets
+
+
+def plan_parts(
+    sizes: Mapping[str, int], plans: Sequence[SavePlan], part_bytes: int
+) -> dict[str, FileParts]:
+    """Owners, mixed parts and combine points of every file (module doc).
+
+    Args:
+        sizes: File -> length, in the order the walk writes them.
+        plans: Every process's `SavePlan` (index = process), of every
+            weights set in walk order, concatenated per process.
+        part_bytes: Bytes per part but the last.
+    """
+    processes = len(plans)
+    counts = {f: np.zeros((processes, max(1, -(-s // part_bytes))), np.int64) for f, s in sizes.items()}
+    touched: dict[tuple[str, str], set[int]] = {}  # (file, value) -> part numbers it has bytes in
+    for process, plan in enumerate(plans):
+        for value in plan.values:
+            for block in value.blocks:
+                if not block.runs.num_runs:
+                    continue
+                offsets = _run_offsets(block.runs)
+                _add_runs(counts[value.file][process], offsets, block.runs.run_bytes, part_bytes)
+                first = int(offsets.min()) // part_bytes
+                last = (int(offsets.max()) + block.runs.run_bytes - 1) // part_bytes
+                touched.setdefault((value.file, value.name), set()).update(range(first + 1, last + 2))
+    # The last value with bytes in each part, in walk order (every process's
+    # plan lists every value, with blocks or without).
+    last_value: dict[str, dict[int, str]] = {f: {} for f in sizes}
+    for value in plans[0].values:
+        for part in touched.get((value.file, value.name), ()):
+            last_value[value.file][part] = value.name
+    load = [0] * processes
+    out = {}
+    for file, size in sizes.items():
+        table = counts[file]
+        owners = []
+        for k in range(table.shape[1]):
+            writers = [p for p in range(processes) if table[p, k]]
+            # One writer: it uploads, nothing moves. Several: the part is
+            # combined anyway, so the least loaded uploads it (balance).
+            candidates = writers if len(writers) == 1 else range(processes)
+            owner = min(candidates, key=lambda p: (load[p], p))
+            start = k * part_bytes
+            load[owner] += min(size, start + part_bytes) - start
+            owners.append(owner)
+        mixed = frozenset(
+            k + 1 for k in range(table.shape[1])
+            if any(table[p, k] for p in range(processes) if p != owners[k])
+        )
+        combine_after = {k: last_value[file][k] for k in mixed}
+        out[file] = FileParts(size, part_bytes, tuple(owners), mixed, combine_after, table)
+    return out

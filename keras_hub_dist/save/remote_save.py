@@ -1,0 +1,478 @@
+"""Save a KerasHub preset straight into object storage (`s3://`, `gs://`),
+with nothing written to local disk but a few small files in memory.
+
+An object store has no positioned writes and no rename, so the local save's
+two moves (fill preallocated files in place, then rename the directory)
+become:
+
+1. **lay out** — the preset's small files and its weights files' skeletons
+   (HDF5 metadata, datasets allocated and never filled: sparse) are written
+   into a temporary directory in memory (`/dev/shm` where there is one), as
+   the local save writes its staging directory; the bytes that are not
+   dataset values (a few KiB of HDF5 metadata) are read back from there;
+2. **upload** — each weights file is one multipart upload cut into 64 MiB
+   parts (`storage.part_uploads`: part `k` is the file's bytes
+   `[(k-1) * 64 MiB, k * 64 MiB)`, exactly one checksum chunk). The saver's
+   positioned writes (`save.write_execute`, unchanged) go into the parts'
+   host buffers; a part is hashed and uploaded as soon as its last byte is
+   written, while the walk goes on. Nothing is gathered: each value's
+   blocks are read from the devices that hold them, one at a time;
+3. **publish** — once every part is uploaded the uploads are completed (each
+   object appears whole, at once), then the small files, metadata.json
+   (with the checksums) and last config.json: a reader finds no preset
+   until config.json exists, and then every object it names is complete.
+   `overwrite=True` deletes the old config.json first, so the old preset
+   is unreadable (not mixed) while it is replaced; objects of the old
+   preset the new one does not have are deleted before config.json is
+   written.
+
+A failure aborts every upload of the save (no part is left billed) and
+leaves an existing preset untouched. A save killed outright leaves its
+uploads: its owner record (`.khd-save-<token>.json` beside the preset,
+renewed every `LEASE_SECONDS / 4` by a thread while the save runs) lets
+the next save to the same target abort them once the record's lease has
+lapsed by the store's own clock; uploads of a live save are never touched.
+Each abort is named in a `StaleStagingWarning`.
+
+Several processes (a pod, no shared filesystem): every process lays out
+the same skeleton in its own memory (checked equal across processes),
+process 0 creates the uploads and publishes, and each part is uploaded by
+the process that writes most of its bytes (`save.part_plan`). A part whose
+bytes several processes hold (a value split across processes along an axis
+other than its first: its blocks are strided in the file) is combined on
+its owner first: each process fills a zeroed buffer with its own bytes of
+the part and the buffers are summed over the processes in 8 MiB slices
+(`_processes.sum_over_processes`; the bytes are disjoint, so the sum is the
+part), right after the last value with bytes in it is written. That costs
+the interconnect each process's mixed bytes times the process count (an
+all-gather, not an all-to-all) and each device at most `P x 8 MiB` for a
+moment; a layout whose processes hold contiguous ranges combines nothing.
+
+Example:
+
+```python
+keras_hub_dist.save_sharded_preset(lm, "s3://my-bucket/gemma_7b_tuned")
+keras_hub_dist.load_sharded_preset("s3://my-bucket/gemma_7b_tuned", verify=True)
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+from keras_hub_dist import _compat, _processes
+from keras_hub_dist.errors import SaveError, StaleStagingWarning
+from keras_hub_dist.formats import checksums, keras_h5
+from keras_hub_dist.save.part_plan import FileParts, plan_parts
+from keras_hub_dist.save.saver import (
+    _backbone_and_task,
+    _guard,
+    _model_error,
+    save_requests,
+    weight_set_of,
+    weights_files_of,
+    write_blocks,
+    write_metadata,
+    write_preset_files,
+)
+from keras_hub_dist.save.write_plan import SavePlan, plan_save
+from keras_hub_dist.storage.part_uploads import FileUpload, PartUploads, part_count
+from keras_hub_dist.storage.writers import open_writer
+
+__all__ = ["LEASE_SECONDS", "SCHEMES", "save_keras_remote"]
+
+SCHEMES = ("s3", "gs")
+
+# How long an owner record stays valid without renewal: a save whose record
+# is older than this (by the store's clock) is taken for dead.
+LEASE_SECONDS = 120.0
+_OWNER_PREFIX = ".khd-save-"
+
+
+def save_keras_remote(
+    model: Any,
+    url: str,
+    *,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    max_shard_size: float | None = 10,
+    max_buffers: int = 6,
+) -> None:
+    """`save_sharded_preset(model, "s3://..." | "gs://...")` in the Keras
+    format, run by every process (see the module doc and
+    `keras_hub_dist.save_sharded_preset`)."""
+    targets = _processes.gather_strings(url)
+    if len(set(targets)) > 1:
+        raise SaveError(
+            "Expected every process to pass the same preset_dir. Received: "
+            + ", ".join(f"process {i}: {t!r}" for i, t in enumerate(targets)) + "."
+        )
+    backbone, task = _backbone_and_task(model)
+    _processes.check_all(_model_error(model), SaveError, "Cannot save the model")
+    first = jax.process_index() == 0
+    writer = open_writer(url)
+    found: list[dict[str, Any]] = []
+    error = _guard(lambda: found.append(_claim(writer, overwrite))) if first else None
+    _processes.check_all(error, SaveError, f"Cannot save to {url!r}")
+
+    names = _compat.preset_file_names()
+    backbone_bytes = _compat.variables_size_in_bytes(backbone.variables)
+    multi_file = max_shard_size is not None and backbone_bytes / 2**30 > max_shard_size
+    sets = [weight_set_of(
+        backbone, (), names["sharded_weights" if multi_file else "weights"],
+        max_shard_size if multi_file else None,
+    )]
+    if task is not None and task.has_task_weights():
+        sets.append(weight_set_of(task, list(backbone._flatten_layers()), names["task_weights"], None))
+
+    folder = tempfile.mkdtemp(prefix="khd-save-", dir=_memory_dir())
+    owner = _OwnerRecord(writer, _processes.broadcast_string(secrets.token_hex(6)))
+    uploads: dict[str, str] = {}
+    try:
+        laid_out: list[Any] = []
+        error = _guard(lambda: laid_out.append(_lay_out(folder, backbone, task, sets, names)))
+        _processes.check_all(error, SaveError, "Laying out the preset failed")
+        files, sizes, requests = laid_out[0]
+        _processes.check_all(_skeleton_differs(files, sizes), SaveError, "Laying out the preset failed")
+
+        if first:
+            error = _guard(lambda: _start_uploads(writer, owner, folder, files, uploads))
+        _processes.check_all(error, SaveError, f"Starting the uploads into {url!r} failed")
+        uploads.update(json.loads(_processes.broadcast_string(json.dumps(uploads))))
+
+        digests, parts, error = _upload_weights(
+            writer, folder, files, sizes, uploads, sets, requests, progress, url, max_buffers,
+        )
+        _processes.check_all(error, SaveError, f"Uploading the weights into {url!r} failed")
+        digests = _processes.sum_over_processes(digests)
+        every = [json.loads(b) for b in _processes.gather_bytes(json.dumps(parts).encode())]
+        if first:
+            merged = {n: sorted(tuple(p) for process in every for p in process.get(n, [])) for n in uploads}
+
+            def finish() -> None:
+                write_metadata(folder, backbone, files, digests, names)
+                _publish(writer, folder, files, uploads, merged, found[0], names)
+                uploads.clear()
+
+            error = _guard(finish)
+        _processes.check_all(error, SaveError, f"Publishing {url!r} failed")
+    finally:
+        if first:
+            for name, upload_id in uploads.items():  # not published: nothing stays billed
+                with contextlib.suppress(Exception):
+                    writer.abort_upload(name, upload_id)
+            owner.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _lay_out(folder: str, backbone: Any, task: Any, sets: list[Any], names: dict[str, str]) -> tuple:
+    """The skeleton in `folder`: weights file paths, sizes, and per set the
+    `SaveRequest`s of its values."""
+    write_preset_files(folder, backbone, task, sets, names)
+    files = weights_files_of(folder, sets)
+    return files, {f: os.path.getsize(f) for f in files}, [save_requests(folder, s) for s in sets]
+
+
+def _skeleton_differs(files: list[str], sizes: dict[str, int]) -> str | None:
+    """A message when this process's skeleton differs from process 0's."""
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{os.path.basename(path)}:{sizes[path]}:".encode())
+        with open(path, "rb") as f:
+            for start, stop in _skeleton_gaps(path):
+                digest.update(os.pread(f.fileno(), stop - start, start))
+    digests = _processes.gather_strings(digest.hexdigest())
+    if digests[jax.process_index()] != digests[0]:
+        return (
+            f"Expected every process to lay out the same weights files. Received: process "
+            f"{jax.process_index()}'s differ from process 0's. Run the same versions of "
+            "Keras, KerasHub and h5py on every host."
+        )
+    return None
+
+
+def _start_uploads(writer: Any, owner: _OwnerRecord, folder: str, files: list[str], uploads: dict[str, str]) -> None:
+    owner.start()
+    for path in files:
+        name = os.path.relpath(path, folder).replace(os.sep, "/")
+        uploads[name] = writer.create_upload(name)
+        owner.uploads = dict(uploads)
+    owner.renew()
+
+
+def _memory_dir() -> str | None:
+    """A directory in memory (tmpfs) for the small files, else the default."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+
+
+def _claim(writer: Any, overwrite: bool) -> dict[str, Any]:
+    """Aborts what dead saves to the target left (warning with what), then
+    checks the target may be written; returns what it holds now."""
+    writer.check_writable()
+    listing = writer.list()
+    removed = _sweep_stale(writer, listing)
+    if removed:
+        warnings.warn(
+            f"Removed what killed saves to {writer.location} left: " + "; ".join(removed),
+            StaleStagingWarning, stacklevel=4,
+        )
+        listing = writer.list()
+    existing = {n: m for n, m in listing.items() if not n.startswith(".")}
+    if existing and not overwrite:
+        shown = ", ".join(sorted(existing)[:5]) + (" ..." if len(existing) > 5 else "")
+        raise SaveError(
+            f"Expected {writer.location} to hold no preset. Received: {len(existing)} "
+            f"object(s) there ({shown}). Pass overwrite=True to replace it, or choose another prefix."
+        )
+    return existing
+
+
+def _sweep_stale(writer: Any, listing: dict[str, Any]) -> list[str]:
+    """Aborts the uploads of saves whose owner record's lease has lapsed (by
+    the store's clock: the time of a record written now), and those records."""
+    records = {n: m for n, m in listing.items() if n.startswith(_OWNER_PREFIX)}
+    pending = writer.list_uploads()
+    if not records and not pending:
+        return []
+    probe = f"{_OWNER_PREFIX}probe-{secrets.token_hex(4)}.json"
+    writer.put(probe, b"{}")
+    now = writer.list(probe)[probe].updated
+    writer.delete([probe])
+    live_uploads: set[str] = set()
+    removed: list[str] = []
+    for name, meta in records.items():
+        body = writer.get(name)
+        record = json.loads(body) if body else {}
+        if now - meta.updated < LEASE_SECONDS:
+            live_uploads.update(record.get("uploads", {}).values())
+            continue
+        for upload_name, upload_id in record.get("uploads", {}).items():
+            with contextlib.suppress(Exception):
+                writer.abort_upload(upload_name, upload_id)
+            removed.append(f"upload of {upload_name!r} ({upload_id[:12]}...) by {record.get('host', '?')} pid {record.get('pid', '?')}")
+        writer.delete([name])
+        removed.append(f"owner record {name!r} (lease lapsed {now - meta.updated:.0f} s ago)")
+    for upload in pending:
+        if upload.upload_id in live_uploads:
+            continue
+        if now - upload.initiated >= LEASE_SECONDS:  # no live record claims it
+            with contextlib.suppress(Exception):
+                writer.abort_upload(upload.name, upload.upload_id)
+            removed.append(f"unclaimed upload of {upload.name!r} started {now - upload.initiated:.0f} s ago")
+    return removed
+
+
+class _OwnerRecord:
+    """The save's owner record in the store, renewed by a thread."""
+
+    def __init__(self, writer: Any, token: str) -> None:
+        self.writer, self.name = writer, f"{_OWNER_PREFIX}{token}.json"
+        self.uploads: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def renew(self) -> None:
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "uploads": self.uploads,
+                  "lease_seconds": LEASE_SECONDS, "written": time.time()}
+        self.writer.put(self.name, json.dumps(record).encode())
+
+    def start(self) -> None:
+        self.renew()
+
+        def loop() -> None:
+            while not self._stop.wait(LEASE_SECONDS / 4):
+                with contextlib.suppress(Exception):  # the next renewal may pass
+                    self.renew()
+
+        self._thread = threading.Thread(target=loop, name="khd-save-lease", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            with contextlib.suppress(Exception):
+                self.writer.delete([self.name])
+
+
+# Mixed parts are summed over the processes this many bytes at a time.
+COMBINE_BYTES = 8 << 20
+
+
+def _upload_weights(
+    writer: Any, folder: str, files: list[str], sizes: dict[str, int], uploads: dict[str, str],
+    sets: list[Any], requests: list[list[Any]], progress: bool | None, url: str, max_buffers: int,
+) -> tuple[np.ndarray, dict[str, list[tuple[int, str]]], str | None]:
+    """Uploads this process's parts of every weights file (skeleton bytes,
+    then the values; mixed parts combined on their owners). Returns this
+    process's rows of the chunk digests (`checksums.all_chunks` order),
+    its parts per file, and its first error as a message."""
+    me, count = jax.process_index(), jax.process_count()
+    part_bytes = checksums.CHUNK_BYTES  # a part is a checksum chunk: hashed as uploaded
+    keys = checksums.all_chunks([sizes[f] for f in files])
+    table = np.zeros((len(keys), 32), np.uint8)
+    for path in files:
+        if part_count(sizes[path], part_bytes) > writer.MAX_PARTS:
+            return table, {}, (
+                f"Expected at most {writer.MAX_PARTS} parts of {part_bytes >> 20} MiB per file. "
+                f"Received: {os.path.basename(path)!r} of {sizes[path]} bytes. Pass a smaller max_shard_size."
+            )
+    by_set = [[plan_save(r, process_index=p, process_count=count) for p in range(count)] for r in requests]
+    plans = [s[me] for s in by_set]
+    # Every process's values of every set, in walk order, per process.
+    every = [SavePlan(sum((s[p].values for s in by_set), ()), p, ()) for p in range(count)]
+    layout = plan_parts(sizes, every, part_bytes)
+    row_of = {key: row for row, key in enumerate(keys)}
+    number_of = {os.path.relpath(f, folder).replace(os.sep, "/"): i for i, f in enumerate(files)}
+
+    def on_part(name: str, number: int, data: memoryview) -> None:
+        table[row_of[(number_of[name], number - 1)]] = np.frombuffer(hashlib.sha256(data).digest(), np.uint8)
+
+    uploads_of = {}
+    for f in files:
+        name = os.path.relpath(f, folder).replace(os.sep, "/")
+        uploads_of[f] = FileUpload(name, sizes[f], uploads[name], layout[f].owned_by(me), layout[f].mixed)
+    sink = PartUploads(writer, uploads_of, part_bytes=part_bytes, max_buffers=max_buffers, on_part=on_part)
+    after_value, failed = _combiner(sink, layout)
+    error = None
+    try:
+        for path in files:
+            _write_skeleton(sink, path, layout[path], me)
+    except Exception as e:  # noqa: BLE001 - reported on every process
+        error = f"{type(e).__name__}: {e}"
+    # Every process walks every value (the combining steps are collective).
+    error = write_blocks(
+        sets, plans, progress, os.path.basename(url.rstrip("/")), False, files=sink, after_value=after_value,
+    ) or error or (failed[0] if failed else None)
+    parts: dict[str, list[tuple[int, str]]] = {}
+    if error is None:
+        try:
+            parts = sink.close()
+        except Exception as e:  # noqa: BLE001 - reported on every process
+            error = f"{type(e).__name__}: {e}"
+    if error is not None:
+        sink.abandon()
+    return table, parts, error
+
+
+def _combiner(sink: PartUploads, layout: dict[str, FileParts]) -> tuple[Any, list[str]]:
+    """The walk's `after_value`: combines the mixed parts whose last value
+    was just written (the same parts, in the same order, on every process);
+    and the list its first failure goes to (it keeps taking part after one)."""
+    due: dict[str, list[tuple[str, int]]] = {}
+    for path, parts in layout.items():
+        for number in sorted(parts.mixed):
+            due.setdefault(parts.combine_after[number], []).append((path, number))
+    failed: list[str] = []
+    me = jax.process_index()
+
+    def after_value(name: str) -> None:
+        for path, number in due.get(name, ()):
+            owner = layout[path].owners[number - 1]
+            reduce = _reduce_on(owner, me)
+            if failed:
+                reduce(None, _part_length(layout[path], number))
+                continue
+            try:
+                sink.combine(path, number, reduce)
+            except Exception as e:  # noqa: BLE001 - the others are waiting in the next combine
+                failed.append(f"combining part {number} of {os.path.basename(path)!r}: {type(e).__name__}: {e}")
+
+    return after_value, failed
+
+
+def _part_length(parts: FileParts, number: int) -> int:
+    start = (number - 1) * parts.part_bytes
+    return min(parts.size, start + parts.part_bytes) - start
+
+
+def _reduce_on(owner: int, me: int) -> Any:
+    """Sums a part's buffers over the processes, `COMBINE_BYTES` at a time;
+    the part on `owner`, `None` elsewhere."""
+
+    def reduce(buffer: np.ndarray | None, length: int) -> np.ndarray | None:
+        out = np.empty(length, np.uint8) if me == owner else None
+        for start in range(0, length, COMBINE_BYTES):
+            stop = min(length, start + COMBINE_BYTES)
+            mine = buffer[start:stop] if buffer is not None else np.zeros(stop - start, np.uint8)
+            summed = _processes.sum_over_processes(mine)
+            if out is not None:
+                out[start:stop] = summed
+        return out
+
+    return reduce
+
+
+def _skeleton_gaps(path: str) -> list[tuple[int, int]]:
+    """The byte ranges of weights file `path` that are not dataset values."""
+    datasets = sorted(
+        (info.offset or 0, (info.offset or 0) + info.nbytes)
+        for info in keras_h5.read_datasets([path]).values() if info.file == path
+    )
+    gaps, position = [], 0
+    for start, stop in datasets:
+        if start > position:
+            gaps.append((position, start))
+        position = max(position, stop)
+    size = os.path.getsize(path)
+    if position < size:
+        gaps.append((position, size))
+    return gaps
+
+
+def _write_skeleton(sink: PartUploads, path: str, parts: FileParts, me: int) -> None:
+    """Feeds `sink` the skeleton bytes (the HDF5 metadata around the values)
+    of the parts this process owns, from the local sparse skeleton."""
+    step = parts.part_bytes
+    with open(path, "rb") as f:
+        for start, stop in _skeleton_gaps(path):
+            position = start
+            while position < stop:
+                end = min(stop, (position // step + 1) * step)
+                if parts.owners[position // step] == me:
+                    sink.pwritev(path, [memoryview(os.pread(f.fileno(), end - position, position))], position)
+                position = end
+
+
+def _publish(
+    writer: Any, folder: str, files: list[str], uploads: dict[str, str],
+    parts: dict[str, list[tuple[int, str]]], existing: dict[str, Any], names: dict[str, str],
+) -> None:
+    """Completes the uploads, then writes the small files, config.json last
+    (see the module doc)."""
+    config = names["config"]
+    if config in existing:
+        writer.delete([config])  # the old preset is unreadable from here on
+    for name, upload_id in uploads.items():
+        writer.complete_upload(name, upload_id, parts[name])
+    weights = {os.path.relpath(f, folder) for f in files}
+    small = [
+        os.path.relpath(os.path.join(root, n), folder)
+        for root, _, found in os.walk(folder) for n in found
+    ]
+    small = sorted(n for n in small if n not in weights and n != config)
+    for name in small:
+        with open(os.path.join(folder, name), "rb") as f:
+            writer.put(name.replace(os.sep, "/"), f.read())
+    stale = sorted(set(existing) - weights - set(small) - {config})
+    if stale:
+        writer.delete(stale)
+    with open(os.path.join(folder, config), "rb") as f:
+        writer.put(config, f.read())
+
+

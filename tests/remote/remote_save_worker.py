@@ -1,0 +1,70 @@
+"""One process of a multi-process save into object storage (driven by
+tests/remote/test_remote_save_multiprocess.py).
+
+Usage: python remote_save_worker.py PROCESS_ID NUM_PROCESSES PORT
+           LOCAL_DEVICES PRESET MESH URL OUT_DIR [MODE]
+
+Joins a `jax.distributed` job on 127.0.0.1:PORT (gloo collectives), loads
+PRESET sharded over the global mesh MESH ("BxM"), saves it to URL (the
+store's endpoint comes from the environment) and to OUT_DIR/local (a
+directory both processes share here), and writes
+`OUT_DIR/process_<id>.json` with what it uploaded and the error it raised,
+if any. MODE `fail_part`: process 1's second part upload raises.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from tests.multiprocess_jobs import join_job  # noqa: E402
+
+
+def main() -> None:
+    process_id, num_processes, port, local_devices = map(int, sys.argv[1:5])
+    preset, mesh_arg, url, out_dir = sys.argv[5:9]
+    mode = sys.argv[9] if len(sys.argv) > 9 else ""
+    join_job(process_id, num_processes, port, local_devices)
+    import jax
+
+    import keras_hub_dist
+    from keras_hub_dist.formats import checksums
+    from keras_hub_dist.storage import part_uploads
+
+    checksums.CHUNK_BYTES = 5 << 20  # several parts of a small model (S3's minimum)
+    uploaded = []
+    real = part_uploads.PartUploads._upload
+
+    def counting(self, upload, number, buffer):
+        if mode == "fail_part" and jax.process_index() == 1 and len(uploaded) == 1:
+            raise OSError("injected by the test")
+        token = real(self, upload, number, buffer)
+        uploaded.append((upload.name, number, len(buffer)))
+        return token
+
+    part_uploads.PartUploads._upload = counting
+    combined = []
+    real_combine = part_uploads.PartUploads.combine
+
+    def counting_combine(self, path, number, reduce):
+        combined.append(number)
+        return real_combine(self, path, number, reduce)
+
+    part_uploads.PartUploads.combine = counting_combine
+    batch, model_axis = (int(x) for x in mesh_arg.split("x"))
+    model = keras_hub_dist.load_sharded_preset(preset, mesh=(batch, model_axis), progress=False)
+    error = None
+    try:
+        keras_hub_dist.save_sharded_preset(model, url)
+    except keras_hub_dist.SaveError as e:
+        error = str(e)
+    if mode != "fail_part":
+        keras_hub_dist.save_sharded_preset(model, os.path.join(out_dir, "local"))
+    with open(os.path.join(out_dir, f"process_{process_id}.json"), "w") as handle:
+        json.dump({"process_index": jax.process_index(), "uploaded": uploaded, "combined": combined,
+                   "error": error}, handle)
+
+
+if __name__ == "__main__":
+    main()

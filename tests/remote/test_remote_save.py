@@ -1,0 +1,243 @@
+"""`save_sharded_preset(model, "s3://..." | "gs://...")`: the preset the
+local save writes, byte for byte, uploaded in parts with nothing on local
+disk; published config.json last; failures abort every upload; a killed
+save's uploads aborted by the next; a URL is never a local path."""
+
+import hashlib
+import json
+import os
+import secrets
+import uuid
+
+import keras_hub
+import numpy as np
+import pytest
+from conftest import MESH_SHAPES
+
+from keras_hub_dist import PresetError, SaveError, StaleStagingWarning
+from keras_hub_dist import load_sharded_preset, save_sharded_preset, write_synthetic_preset
+from keras_hub_dist.formats import checksums
+from keras_hub_dist.save import remote_save
+from keras_hub_dist.storage import writers
+
+SMALL = dict(vocabulary_size=512, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+             hidden_dim=64, intermediate_dim=128)
+# Over two 5 MiB parts (moto's real minimum) with 5 MiB chunks: 3 parts.
+WIDE = dict(SMALL, vocabulary_size=20_000, hidden_dim=128, num_query_heads=4, num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def presets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("remote_save_sources")
+    return {
+        "small": write_synthetic_preset(str(root / "small"), keras_hub.models.LlamaBackbone,
+                                        dtype="float32", seed=1, **SMALL),
+        "wide": write_synthetic_preset(str(root / "wide"), keras_hub.models.LlamaBackbone,
+                                       dtype="float32", seed=2, **WIDE),
+    }
+
+
+@pytest.fixture
+def small_parts(monkeypatch):
+    """5 MiB parts and checksum chunks, so tiny models upload several parts."""
+    monkeypatch.setattr(checksums, "CHUNK_BYTES", 5 << 20)
+
+
+def _bucket(store, scheme):
+    name = f"b-{uuid.uuid4().hex[:10]}"
+    if scheme == "s3":
+        store.client().create_bucket(Bucket=name)
+    else:
+        store.create_bucket(name)
+    return name
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request):
+    """`(scheme, url of a fresh bucket's prefix, writer)` with the env set."""
+    scheme = request.param
+    server = request.getfixturevalue("s3" if scheme == "s3" else "gcs")
+    url = f"{scheme}://{_bucket(server, scheme)}/presets/tuned"
+    return scheme, url, writers.open_writer(url)
+
+
+def _objects(writer):
+    return {name: writer.get(name) for name in writer.list() if not name.startswith(".")}
+
+
+def _local_files(folder):
+    out = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), folder)] = f.read()
+    return out
+
+
+def _without_date(metadata):
+    data = json.loads(metadata)
+    data.pop("date_saved", None)
+    return data
+
+
+def _assert_same_preset(remote, local):
+    assert sorted(remote) == sorted(local)
+    for name in local:
+        if name == "metadata.json":
+            assert _without_date(remote[name]) == _without_date(local[name])
+        else:
+            assert hashlib.sha256(remote[name]).digest() == hashlib.sha256(local[name]).digest(), name
+
+
+@pytest.mark.parametrize("mesh", MESH_SHAPES)
+def test_remote_save_is_the_local_save_and_loads_verified(presets, store, tmp_path, mesh, small_parts):
+    scheme, url, writer = store
+    model = load_sharded_preset(presets["wide"], mesh=mesh, progress=False)
+    save_sharded_preset(model, url)
+    local = str(tmp_path / "local")
+    save_sharded_preset(model, local)
+
+    _assert_same_preset(_objects(writer), _local_files(local))
+    assert writer.list_uploads() == []  # every upload completed
+    assert not [n for n in writer.list() if n.startswith(".")]  # no owner record left
+    reloaded = load_sharded_preset(url, mesh=(8, 1) if mesh != (8, 1) else (1, 8), verify=True, progress=False)
+    for a, b in zip(model.weights, reloaded.weights):
+        assert a.path == b.path
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+
+
+def test_nothing_written_to_local_disk_but_small_files_in_memory(presets, store, small_parts, monkeypatch, tmp_path):
+    _, url, _ = store
+    model = load_sharded_preset(presets["wide"], mesh=(1, 8), progress=False)
+    made = []
+    real = remote_save.tempfile.mkdtemp
+
+    def mkdtemp(**kwargs):
+        made.append(real(**kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(remote_save.tempfile, "mkdtemp", mkdtemp)
+    sizes = []
+    real_upload = remote_save._upload_weights
+
+    def upload_weights(writer, folder, *args, **kwargs):
+        # What the skeleton occupies on its (memory) filesystem, not its length.
+        sizes.extend(os.stat(os.path.join(r, n)).st_blocks * 512
+                     for r, _, ns in os.walk(folder) for n in ns)
+        return real_upload(writer, folder, *args, **kwargs)
+
+    monkeypatch.setattr(remote_save, "_upload_weights", upload_weights)
+    monkeypatch.chdir(tmp_path)
+    save_sharded_preset(model, url)
+    assert made and all(m.startswith("/dev/shm") for m in made) == os.path.isdir("/dev/shm")
+    assert sum(sizes) < 1 << 20
+    assert not any(os.path.exists(m) for m in made)  # removed
+    assert os.listdir(tmp_path) == []
+
+
+def test_url_is_never_a_local_path(presets, s3, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bucket = _bucket(s3, "s3")
+    decoy = tmp_path / "s3:" / bucket / "x"
+    decoy.parent.mkdir(parents=True)
+    os.symlink(presets["small"], decoy)  # a valid preset at the URL's local twin
+    with pytest.raises(PresetError, match=f"s3://{bucket}/x"):
+        load_sharded_preset(f"s3://{bucket}/x", progress=False)
+    model = load_sharded_preset(presets["small"], mesh=(1, 8), progress=False)
+    before = sorted(os.listdir(decoy))
+    save_sharded_preset(model, f"s3://{bucket}/x")
+    assert sorted(os.listdir(decoy)) == before
+    assert "config.json" in writers.open_writer(f"s3://{bucket}/x").list()
+    load_sharded_preset(f"s3://{bucket}/x", verify=True, progress=False)
+
+
+def test_failed_part_aborts_everything_and_keeps_the_old_preset(presets, store, small_parts, monkeypatch):
+    _, url, writer = store
+    model = load_sharded_preset(presets["wide"], mesh=(2, 4), progress=False)
+    save_sharded_preset(model, url)
+    old = _objects(writer)
+    calls = []
+    real = type(writer).upload_part
+
+    def upload_part(self, name, upload_id, number, data):
+        calls.append(number)
+        if len(calls) == 2:
+            raise SaveError("injected by the test")
+        return real(self, name, upload_id, number, data)
+
+    monkeypatch.setattr(type(writer), "upload_part", upload_part)
+    with pytest.raises(SaveError, match="injected by the test"):
+        save_sharded_preset(model, url, overwrite=True)
+    assert _objects(writer) == old
+    assert writer.list_uploads() == []
+    assert not [n for n in writer.list() if n.startswith(".")]
+
+
+def test_publish_order_never_shows_a_partial_preset(presets, store, monkeypatch):
+    """At every object written or deleted, a preset with config.json holds
+    every file it names, complete (checked at the event, not by polling)."""
+    _, url, writer = store
+    model = load_sharded_preset(presets["small"], mesh=(1, 8), progress=False)
+    seen = []
+    cls = type(writer)
+
+    def check(self):
+        names = self.list()
+        if "config.json" in names:
+            seen.append(sorted(n for n in names if not n.startswith(".")))
+            assert {"metadata.json", "model.weights.h5"} <= set(names)
+            metadata = json.loads(self.get("metadata.json"))
+            assert checksums.METADATA_KEY in metadata
+
+    for method in ("put", "delete", "complete_upload"):
+        real = getattr(cls, method)
+
+        def wrapped(self, *args, _real=real, **kwargs):
+            check(self)
+            result = _real(self, *args, **kwargs)
+            check(self)
+            return result
+
+        monkeypatch.setattr(cls, method, wrapped)
+    save_sharded_preset(model, url)
+    save_sharded_preset(model, url, overwrite=True)
+    assert seen  # the checks ran with a preset in place
+
+
+def test_killed_save_uploads_aborted_by_the_next(presets, store, monkeypatch):
+    _, url, writer = store
+    monkeypatch.setattr(remote_save, "LEASE_SECONDS", 1.0)
+    dead = writer.create_upload("model.weights.h5")
+    writer.put(".khd-save-deadbeef0000.json", json.dumps(
+        {"host": "gone", "pid": 1, "uploads": {"model.weights.h5": dead}}).encode())
+    orphan = writer.create_upload("model_00001.weights.h5")
+    import time
+    time.sleep(1.5)
+    live = writer.create_upload("other.bin")
+    writer.put(f".khd-save-{secrets.token_hex(6)}.json", json.dumps(
+        {"host": "alive", "pid": 2, "uploads": {"other.bin": live}}).encode())
+    model = load_sharded_preset(presets["small"], mesh=(1, 8), progress=False)
+    with pytest.warns(StaleStagingWarning) as warned:
+        save_sharded_preset(model, url)
+    text = str(warned[0].message)
+    assert "model.weights.h5" in text and "model_00001.weights.h5" in text and "other.bin" not in text
+    assert [u.upload_id for u in writer.list_uploads()] == [live]
+    writer.abort_upload("other.bin", live)
+
+
+def test_bad_targets_fail_before_any_upload(presets, s3, tmp_path):
+    model = load_sharded_preset(presets["small"], mesh=(1, 8), progress=False)
+    with pytest.raises(SaveError, match="nonexistent-bucket"):
+        save_sharded_preset(model, "s3://nonexistent-bucket/x")
+    bucket = _bucket(s3, "s3")
+    url = f"s3://{bucket}/p"
+    save_sharded_preset(model, url)
+    with pytest.raises(SaveError, match="overwrite=True"):
+        save_sharded_preset(model, url)
+    with pytest.raises(SaveError, match="is an object|a file"):
+        save_sharded_preset(model, f"s3://{bucket}/p/config.json")
+    with pytest.raises(SaveError, match="huggingface-cli upload"):
+        save_sharded_preset(model, "hf://owner/name")
+    with pytest.raises(SaveError, match="not supported yet"):
+        save_sharded_preset(model, f"s3://{bucket}/q", format="huggingface")
+    assert [n for n in writers.open_writer(f"s3://{bucket}/q").list()] == []
