@@ -17,8 +17,11 @@ plans (no device, no file) decide per part:
   fills a zeroed buffer with its own bytes of the part, and the buffers are
   summed over the processes (the bytes are disjoint, so the sum is the
   part), slice by slice (`save.remote_save`);
-- **when** it can be combined: after the last value (in the order Keras's
-  walk writes them, which is the file's order) that has bytes in it.
+- **when** it can be combined: once the walk (every process walks every
+  value in the same order) has written the last value with bytes in it up
+  to the part's end. Keras's walk is about the file's order, not exactly:
+  HDF5 gathers small datasets (norms) into blocks allocated earlier, so a
+  part can hold a small value written long after the part's big ones.
 
 The skeleton's bytes (HDF5 metadata around the values) are written by each
 part's owner only, so every byte of a mixed part has exactly one writer.
@@ -28,7 +31,7 @@ Example:
 ```python
 plans = [plan_save(requests, process_index=p, process_count=2) for p in range(2)]
 parts = plan_parts({"w.h5": size}, plans, part_bytes=64 << 20)
-parts["w.h5"].owners[0], parts["w.h5"].mixed, parts["w.h5"].combine_after
+parts["w.h5"].owners[0], parts["w.h5"].mixed, parts["w.h5"].last_value
 ```
 """
 
@@ -53,8 +56,8 @@ class FileParts:
         part_bytes: Bytes per part but the last.
         owners: Per part (index `number - 1`), the process that uploads it.
         mixed: Numbers of the parts several processes write bytes of.
-        combine_after: Mixed part number -> the name of the last value (in
-            walk order) with bytes in it: combine once it is written.
+        last_value: Part number -> the walk index of the last value with
+            bytes in it (parts holding only the file's own bytes: none).
         bytes_by_process: Per part, bytes each process writes (values only).
     """
 
@@ -62,7 +65,7 @@ class FileParts:
     part_bytes: int
     owners: tuple[int, ...]
     mixed: frozenset[int]
-    combine_after: Mapping[int, str]
+    last_value: Mapping[int, int]
     bytes_by_process: np.ndarray
 
     def owned_by(self, process: int) -> frozenset[int]:
@@ -101,19 +104,20 @@ def _run_offsets(runs) -> np.ndarray:
 def plan_parts(
     sizes: Mapping[str, int], plans: Sequence[SavePlan], part_bytes: int
 ) -> dict[str, FileParts]:
-    """Owners, mixed parts and combine points of every file (module doc).
+    """Owners, mixed parts and their last values, of every file (module doc).
 
     Args:
         sizes: File -> length, in the order the walk writes them.
         plans: Every process's `SavePlan` (index = process), of every
-            weights set in walk order, concatenated per process.
+            weights set in walk order, concatenated per process (each
+            lists every value, with its blocks or none).
         part_bytes: Bytes per part but the last.
     """
     processes = len(plans)
     counts = {f: np.zeros((processes, max(1, -(-s // part_bytes))), np.int64) for f, s in sizes.items()}
-    touched: dict[tuple[str, str], set[int]] = {}  # (file, value) -> part numbers it has bytes in
+    last_value: dict[str, dict[int, int]] = {f: {} for f in sizes}
     for process, plan in enumerate(plans):
-        for value in plan.values:
+        for index, value in enumerate(plan.values):  # walk order, the same in every plan
             for block in value.blocks:
                 if not block.runs.num_runs:
                     continue
@@ -121,13 +125,9 @@ def plan_parts(
                 _add_runs(counts[value.file][process], offsets, block.runs.run_bytes, part_bytes)
                 first = int(offsets.min()) // part_bytes
                 last = (int(offsets.max()) + block.runs.run_bytes - 1) // part_bytes
-                touched.setdefault((value.file, value.name), set()).update(range(first + 1, last + 2))
-    # The last value with bytes in each part, in walk order (every process's
-    # plan lists every value, with blocks or without).
-    last_value: dict[str, dict[int, str]] = {f: {} for f in sizes}
-    for value in plans[0].values:
-        for part in touched.get((value.file, value.name), ()):
-            last_value[value.file][part] = value.name
+                touched = last_value[value.file]
+                for part in range(first + 1, last + 2):
+                    touched[part] = max(touched.get(part, -1), index)
     load = [0] * processes
     out = {}
     for file, size in sizes.items():
@@ -146,6 +146,5 @@ def plan_parts(
             k + 1 for k in range(table.shape[1])
             if any(table[p, k] for p in range(processes) if p != owners[k])
         )
-        combine_after = {k: last_value[file][k] for k in mixed}
-        out[file] = FileParts(size, part_bytes, tuple(owners), mixed, combine_after, table)
+        out[file] = FileParts(size, part_bytes, tuple(owners), mixed, last_value[file], table)
     return out

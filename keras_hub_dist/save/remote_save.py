@@ -89,6 +89,7 @@ from keras_hub_dist.save.saver import (
     write_metadata,
     write_preset_files,
 )
+from keras_hub_dist.save.write_execute import file_order_slabs, slab_ends
 from keras_hub_dist.save.write_plan import SavePlan, plan_save
 from keras_hub_dist.storage.part_uploads import FileUpload, PartUploads, part_count
 from keras_hub_dist.storage.writers import open_writer
@@ -110,7 +111,7 @@ def save_keras_remote(
     overwrite: bool = False,
     progress: bool | None = None,
     max_shard_size: float | None = 10,
-    max_buffers: int = 6,
+    buffer_fraction: float = 0.12,
 ) -> None:
     """`save_sharded_preset(model, "s3://..." | "gs://...")` in the Keras
     format, run by every process (see the module doc and
@@ -155,7 +156,7 @@ def save_keras_remote(
         uploads.update(json.loads(_processes.broadcast_string(json.dumps(uploads))))
 
         digests, parts, error = _upload_weights(
-            writer, folder, files, sizes, uploads, sets, requests, progress, url, max_buffers,
+            writer, folder, files, sizes, uploads, sets, requests, progress, url, buffer_fraction,
         )
         _processes.check_all(error, SaveError, f"Uploading the weights into {url!r} failed")
         digests = _processes.sum_over_processes(digests)
@@ -253,13 +254,13 @@ def _sweep_stale(writer: Any, listing: dict[str, Any]) -> list[str]:
     writer.put(probe, b"{}")
     now = writer.list(probe)[probe].updated
     writer.delete([probe])
-    live_uploads: set[str] = set()
+    claimed: set[str] = set()  # by a record, live or dead
     removed: list[str] = []
     for name, meta in records.items():
         body = writer.get(name)
         record = json.loads(body) if body else {}
+        claimed.update(record.get("uploads", {}).values())
         if now - meta.updated < LEASE_SECONDS:
-            live_uploads.update(record.get("uploads", {}).values())
             continue
         for upload_name, upload_id in record.get("uploads", {}).items():
             with contextlib.suppress(Exception):
@@ -268,9 +269,11 @@ def _sweep_stale(writer: Any, listing: dict[str, Any]) -> list[str]:
         writer.delete([name])
         removed.append(f"owner record {name!r} (lease lapsed {now - meta.updated:.0f} s ago)")
     for upload in pending:
-        if upload.upload_id in live_uploads:
+        if upload.upload_id in claimed:
             continue
-        if now - upload.initiated >= LEASE_SECONDS:  # no live record claims it
+        # No record claims it: a save killed between starting the upload and
+        # recording it, once as old as a lease.
+        if now - upload.initiated >= LEASE_SECONDS:
             with contextlib.suppress(Exception):
                 writer.abort_upload(upload.name, upload.upload_id)
             removed.append(f"unclaimed upload of {upload.name!r} started {now - upload.initiated:.0f} s ago")
@@ -316,7 +319,7 @@ COMBINE_BYTES = 8 << 20
 
 def _upload_weights(
     writer: Any, folder: str, files: list[str], sizes: dict[str, int], uploads: dict[str, str],
-    sets: list[Any], requests: list[list[Any]], progress: bool | None, url: str, max_buffers: int,
+    sets: list[Any], requests: list[list[Any]], progress: bool | None, url: str, buffer_fraction: float,
 ) -> tuple[np.ndarray, dict[str, list[tuple[int, str]]], str | None]:
     """Uploads this process's parts of every weights file (skeleton bytes,
     then the values; mixed parts combined on their owners). Returns this
@@ -347,22 +350,44 @@ def _upload_weights(
     for f in files:
         name = os.path.relpath(f, folder).replace(os.sep, "/")
         uploads_of[f] = FileUpload(name, sizes[f], uploads[name], layout[f].owned_by(me), layout[f].mixed)
-    sink = PartUploads(writer, uploads_of, part_bytes=part_bytes, max_buffers=max_buffers, on_part=on_part)
-    after_value, failed = _combiner(sink, layout)
-    error = None
-    try:
-        for path in files:
-            _write_skeleton(sink, path, layout[path], me)
-    except Exception as e:  # noqa: BLE001 - reported on every process
-        error = f"{type(e).__name__}: {e}"
+    # Host memory: part buffers of about `buffer_fraction` of the weights (4
+    # to 16 of them), all but one uploading while one fills.
+    buffers = max(4, min(16, int(buffer_fraction * sum(sizes.values()) / part_bytes)))
+    sink = PartUploads(writer, uploads_of, part_bytes=part_bytes, max_buffers=buffers,
+                       num_threads=buffers - 1, prefill=_Skeleton(files), on_part=on_part)
+    combiner = _Combiner(sink, layout)
+    on_cpu = all(d.platform == "cpu" for d in jax.local_devices())
+    walked = [0]
+
+    def value_writer(entry: Any, value: Any, errors: list[str]) -> None:
+        # Slab by slab, then every mixed part that slab completed is
+        # combined: the same steps on every process, whatever failed here.
+        index, walked[0] = walked[0], walked[0] + 1
+        slabs = file_order_slabs(entry, value, on_cpu, sink.slab_bytes) if not errors else None
+        handle = sink(entry.file)
+        ends = slab_ends(entry, sink.slab_bytes)
+        for end in ends:
+            if slabs is not None:
+                try:
+                    for offset, iovecs in next(slabs)[1]:
+                        sink.pwritev(handle, iovecs, offset)
+                except Exception as e:  # noqa: BLE001 - reported on every process
+                    errors.append(f"writing {entry.path!r} ({entry.shape}, {entry.dtype}): {type(e).__name__}: {e}")
+                    slabs = None
+            combiner.advance(entry.file, index, end, ends[-1], errors)
+
     # Every process walks every value (the combining steps are collective).
     error = write_blocks(
-        sets, plans, progress, os.path.basename(url.rstrip("/")), False, files=sink, after_value=after_value,
-    ) or error or (failed[0] if failed else None)
+        sets, plans, progress, os.path.basename(url.rstrip("/")), False, files=sink, value_writer=value_writer,
+    )
+    errors = [error] if error else []
+    for path in files:  # parts no value has bytes in (the file's own), and any left
+        combiner.advance(path, walked[0], sizes[path], sizes[path], errors)
+    error = errors[0] if errors else None
     parts: dict[str, list[tuple[int, str]]] = {}
     if error is None:
         try:
-            parts = sink.close()
+            parts = sink.finish()
         except Exception as e:  # noqa: BLE001 - reported on every process
             error = f"{type(e).__name__}: {e}"
     if error is not None:
@@ -370,30 +395,39 @@ def _upload_weights(
     return table, parts, error
 
 
-def _combiner(sink: PartUploads, layout: dict[str, FileParts]) -> tuple[Any, list[str]]:
-    """The walk's `after_value`: combines the mixed parts whose last value
-    was just written (the same parts, in the same order, on every process);
-    and the list its first failure goes to (it keeps taking part after one)."""
-    due: dict[str, list[tuple[str, int]]] = {}
-    for path, parts in layout.items():
-        for number in sorted(parts.mixed):
-            due.setdefault(parts.combine_after[number], []).append((path, number))
-    failed: list[str] = []
-    me = jax.process_index()
+class _Combiner:
+    """Combines each mixed part (`save.part_plan`) as soon as every process
+    has written it whole: after the slab that writes the last value with
+    bytes in it up to the part's end. The same parts, in the same order, on
+    every process."""
 
-    def after_value(name: str) -> None:
-        for path, number in due.get(name, ()):
-            owner = layout[path].owners[number - 1]
-            reduce = _reduce_on(owner, me)
-            if failed:
-                reduce(None, _part_length(layout[path], number))
+    def __init__(self, sink: PartUploads, layout: dict[str, FileParts]) -> None:
+        self._sink, self._layout = sink, layout
+        self._due = {
+            path: sorted(parts.mixed, key=lambda k, p=parts: (p.last_value.get(k, -1), k))
+            for path, parts in layout.items()
+        }
+        self._me = jax.process_index()
+
+    def advance(self, path: str, index: int, written_to: int, value_end: int, errors: list[str]) -> None:
+        """Value `index` of the walk is written up to byte `written_to` of
+        file `path` (it ends at `value_end`), by every process."""
+        parts, due = self._layout[path], self._due[path]
+        while due:
+            number = due[0]
+            last = parts.last_value.get(number, -1)
+            part_end = min(parts.size, number * parts.part_bytes)
+            if last > index or (last == index and written_to < min(part_end, value_end)):
+                return
+            due.pop(0)
+            reduce = _reduce_on(parts.owners[number - 1], self._me)
+            if errors:  # take part, with nothing
+                reduce(None, _part_length(parts, number))
                 continue
             try:
-                sink.combine(path, number, reduce)
-            except Exception as e:  # noqa: BLE001 - the others are waiting in the next combine
-                failed.append(f"combining part {number} of {os.path.basename(path)!r}: {type(e).__name__}: {e}")
-
-    return after_value, failed
+                self._sink.combine(path, number, reduce)
+            except Exception as e:  # noqa: BLE001 - the others wait in the next combine
+                errors.append(f"combining part {number} of {os.path.basename(path)!r}: {type(e).__name__}: {e}")
 
 
 def _part_length(parts: FileParts, number: int) -> int:
@@ -435,18 +469,23 @@ def _skeleton_gaps(path: str) -> list[tuple[int, int]]:
     return gaps
 
 
-def _write_skeleton(sink: PartUploads, path: str, parts: FileParts, me: int) -> None:
-    """Feeds `sink` the skeleton bytes (the HDF5 metadata around the values)
-    of the parts this process owns, from the local sparse skeleton."""
-    step = parts.part_bytes
-    with open(path, "rb") as f:
-        for start, stop in _skeleton_gaps(path):
-            position = start
-            while position < stop:
-                end = min(stop, (position // step + 1) * step)
-                if parts.owners[position // step] == me:
-                    sink.pwritev(path, [memoryview(os.pread(f.fileno(), end - position, position))], position)
-                position = end
+class _Skeleton:
+    """The bytes of the weights files that are not dataset values (HDF5
+    metadata around them), read from the local sparse skeleton as each part
+    is opened (`PartUploads`' `prefill`)."""
+
+    def __init__(self, files: list[str]) -> None:
+        self._gaps = {path: _skeleton_gaps(path) for path in files}
+
+    def __call__(self, path: str, start: int, stop: int, buffer: np.ndarray) -> int:
+        filled = 0
+        with open(path, "rb") as f:
+            for a, b in self._gaps[path]:
+                a, b = max(a, start), min(b, stop)
+                if a < b:
+                    buffer[a - start : b - start] = np.frombuffer(os.pread(f.fileno(), b - a, a), np.uint8)
+                    filled += b - a
+        return filled
 
 
 def _publish(

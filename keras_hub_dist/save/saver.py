@@ -377,15 +377,16 @@ def save_requests(folder: str, weight_set: WeightSet) -> list[SaveRequest]:
 
 def write_blocks(
     sets: list[WeightSet], plans: list[SavePlan], progress: bool | None, base: str, durable: bool,
-    files: Any = None, after_value: Any = None,
+    files: Any = None, value_writer: Any = None,
 ) -> str | None:
     """Writes this process's blocks (and with `durable` flushes them to the
     disk); returns its first error as a message.
 
     `files` is what the blocks are written through (default: the files in
-    place, `host_io.FileDescriptors`); `after_value(name)` runs on every
-    process after each value, in the walk's order (a collective step may go
-    there: every process calls it for every value, errors or not).
+    place, `host_io.FileDescriptors`). `value_writer(entry, value, errors)`,
+    if given, writes each value instead of `write_value`: it is called on
+    every process for every value, in the walk's order, errors or not (it
+    may take collective steps), and appends its own errors to `errors`.
 
     After a failed write the walks still run to their end: a LoRA-merged
     kernel is computed by all processes together, so every process must
@@ -403,13 +404,13 @@ def write_blocks(
             by_name = {v.name: v for v in plan.values}
 
             def write(name: str, key: str, value: Any) -> None:
-                if not error:
-                    write_one(name, value)
-                if after_value is not None:
-                    after_value(name)
-
-            def write_one(name: str, value: Any) -> None:
                 entry = by_name[name]
+                if value_writer is not None:
+                    value_writer(entry, _saved_array(value), error)
+                    bar.update(entry.nbytes)
+                    return
+                if error:
+                    return
                 try:
                     write_value(entry, _saved_array(value), files, stats, on_cpu=on_cpu)
                 except Exception as e:  # noqa: BLE001 - reported on every process

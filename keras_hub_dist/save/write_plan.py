@@ -86,6 +86,7 @@ class ValueWrite:
     dtype: np.dtype
     file: str
     blocks: tuple[BlockWrite, ...]
+    offset: int = 0  # of the value's first byte in `file`
 
     @property
     def nbytes(self) -> int:
@@ -164,7 +165,7 @@ def plan_save(
         values.append(
             ValueWrite(
                 request.name, request.path, tuple(request.shape),
-                np.dtype(request.dtype), request.file, tuple(mine),
+                np.dtype(request.dtype), request.file, tuple(mine), request.offset,
             )
         )
     return SavePlan(tuple(values), process_index, tuple(load))

@@ -17,8 +17,8 @@ and the gcp-storage-emulator have it, so the protocol is built on it:
 - `abort_upload` deletes them.
 
 Requests are urllib3's (the loader's HTTP stack), retried by urllib3 on
-429 / 5xx (with `Retry-After`) and broken connections, bodies resent whole
-from memory. Endpoint and credentials as the loader's
+429 / 5xx (with `Retry-After`) and broken connections, bodies streamed
+from the caller's buffer and resent whole (`uploads.PartBody`). Endpoint and credentials as the loader's
 (`storage.object_stores.GcsStore`): `STORAGE_EMULATOR_HOST` (anonymous),
 else `https://storage.googleapis.com` with application-default credentials
 (google-auth), read-write scope.
@@ -44,7 +44,7 @@ from typing import Any
 import urllib3
 
 from keras_hub_dist.errors import SaveError
-from keras_hub_dist.storage.uploads import ObjectMeta, ObjectWriter, Upload
+from keras_hub_dist.storage.uploads import ObjectMeta, ObjectWriter, PartBody, Upload
 
 __all__ = ["GcsWriter"]
 
@@ -165,9 +165,10 @@ class GcsWriter(ObjectWriter):
 
     def _insert(self, name: str, data: Any, doing: str) -> dict[str, Any]:
         query = urllib.parse.urlencode({"uploadType": "media", "name": self._object(name)})
+        body = PartBody(data)  # streamed from the caller's buffer; urllib3 seeks back to retry
         response = self._request(
-            "POST", f"/upload/storage/v1/b/{self.bucket}/o?{query}", doing, body=data,
-            headers={"Content-Type": "application/octet-stream"},
+            "POST", f"/upload/storage/v1/b/{self.bucket}/o?{query}", doing, body=body,
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(body))},
         )
         return json.loads(response.data or b"{}")
 
@@ -188,10 +189,9 @@ class GcsWriter(ObjectWriter):
         return upload_id
 
     def upload_part(self, name: str, upload_id: str, number: int, data: Any) -> str:
-        body = bytes(data)
         meta = self._insert(
-            f"{self._staged(upload_id, name)}/{number:05d}", body,
-            f"Uploading part {number} ({len(body)} bytes) of gs://{self.bucket}/{self._object(name)}",
+            f"{self._staged(upload_id, name)}/{number:05d}", data,
+            f"Uploading part {number} ({memoryview(data).nbytes} bytes) of gs://{self.bucket}/{self._object(name)}",
         )
         return str(meta.get("generation", number))
 

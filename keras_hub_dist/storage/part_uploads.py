@@ -17,11 +17,17 @@ numbering without a word. With `part_bytes` equal to the checksums' chunk
 (64 MiB, `formats.checksums.CHUNK_BYTES`) a part is exactly one checksum
 chunk, hashed from the buffer it is uploaded from (`on_part`).
 
+Bytes the writer never writes (a file's own structure around the values,
+e.g. HDF5 metadata) come from `prefill`, asked for each part this process
+uploads when the part is opened; a part with none of the writer's bytes is
+filled by it alone in `finish`.
+
 Host memory: a part's buffer exists from its first written byte until its
-upload returns. Writers that fill parts in file order (Keras's weights
-walk) hold one part being filled plus the parts in flight; `max_buffers`
-bounds the buffers held at once (a write that would take one more waits
-for an upload to finish).
+upload returns. Writers must fill parts in about file order (the savers'
+"slabs" strategy does, `in_file_order`, in slabs of `slab_bytes`): then one
+or two parts are being filled while the others upload; `max_buffers` bounds
+the buffers held at once (a write that would take one more waits for an
+upload to finish).
 
 Example:
 
@@ -29,7 +35,7 @@ Example:
 uploads = PartUploads(writer, {"model.weights.h5": FileUpload("model.weights.h5", size, upload_id)})
 fd = uploads("model.weights.h5")
 uploads.pwritev(fd, [memoryview(block)], offset)
-parts = uploads.close()              # {"model.weights.h5": [(1, etag), ...]}
+parts = uploads.finish()             # {"model.weights.h5": [(1, etag), ...]}
 ```
 """
 
@@ -86,9 +92,13 @@ class _Part:
 
 @dataclass
 class _File:
+    path: str
     upload: FileUpload
     open_parts: dict[int, _Part] = field(default_factory=dict)
     done: dict[int, Future] = field(default_factory=dict)
+
+    def owns(self, number: int) -> bool:
+        return self.upload.parts is None or number in self.upload.parts
 
 
 class PartUploads:
@@ -102,9 +112,16 @@ class PartUploads:
             minimum part size).
         max_buffers: Part buffers held at once, filling or uploading.
         num_threads: Uploads in flight at once.
+        prefill: Called with `(path, start, stop, buffer)` when a part this
+            process uploads is opened: writes the bytes of `[start, stop)`
+            the writer will not write into `buffer` (indexed from `start`)
+            and returns how many.
         on_part: Called with `(name, number, bytes)` of each part once
             complete, on an upload thread, before it is uploaded (hashing).
     """
+
+    # Writers go in about file order (`save.write_execute`'s "slabs").
+    in_file_order = True
 
     def __init__(
         self,
@@ -114,13 +131,18 @@ class PartUploads:
         part_bytes: int,
         max_buffers: int = 6,
         num_threads: int = 4,
+        prefill: Callable[[str, int, int, np.ndarray], int] | None = None,
         on_part: Callable[[str, int, memoryview], None] | None = None,
     ) -> None:
         if max_buffers < 2:
             raise ValueError(f"Expected max_buffers >= 2. Received: {max_buffers}.")
         self._writer = writer
-        self._files = {path: _File(upload) for path, upload in files.items()}
+        self._files = {path: _File(path, upload) for path, upload in files.items()}
         self._part_bytes = part_bytes
+        # Writers go in slabs of this many file bytes: a quarter part, so a
+        # slab spans at most two parts.
+        self.slab_bytes = max(1, min(16 << 20, part_bytes // 4))
+        self._prefill = prefill
         self._on_part = on_part
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="khd-upload")
         self._buffers = threading.BoundedSemaphore(max_buffers)
@@ -153,43 +175,52 @@ class PartUploads:
                         f"{file.upload.name!r}. Received: {len(data)} bytes at offset {offset}."
                     )
                 take = min(len(data), stop - offset)
-                part = self._open(file, number, stop - start)
+                part = self._open(file, number)
                 part.buffer[offset - start : offset - start + take] = np.frombuffer(data[:take], np.uint8)
                 part.filled += take
-                if part.filled == stop - start and number not in file.upload.mixed:
-                    del file.open_parts[number]
-                    with self._lock:
-                        self._in_flight += 1
-                    file.done[number] = self._pool.submit(self._upload, file.upload, number, part.buffer)
-                elif part.filled > stop - start:
-                    raise ValueError(
-                        f"Expected each byte of part {number} of {file.upload.name!r} "
-                        f"(bytes {start}-{stop}) written once. Received: {part.filled} bytes."
-                    )
+                self._submit_if_full(file, number, part)
                 data = data[take:]
                 offset += take
         return 1
 
-    def _open(self, file: _File, number: int, length: int) -> _Part:
+    def _open(self, file: _File, number: int) -> _Part:
         part = file.open_parts.get(number)
         if part is not None:
             return part
-        owned = file.upload.parts
         mixed = number in file.upload.mixed
-        if number in file.done or (owned is not None and number not in owned and not mixed):
+        if number in file.done or not (file.owns(number) or mixed):
             raise ValueError(
-                f"Expected writes only to the parts of {file.upload.name!r} this process "
-                f"uploads{'' if owned is None else ' ' + str(sorted(owned))}. "
+                f"Expected writes only to the parts of {file.upload.name!r} this process uploads"
+                f"{'' if file.upload.parts is None else ' ' + str(sorted(file.upload.parts))}. "
                 f"Received: a write to part {number}{' again' if number in file.done else ''}."
             )
         self._acquire(f"opening part {number} of {file.upload.name!r}")
+        start, stop = part_range(number, file.upload.size, self._part_bytes)
         # A mixed part's bytes are summed over the processes: zeros elsewhere.
-        part = file.open_parts[number] = _Part((np.zeros if mixed else np.empty)(length, np.uint8))
+        part = file.open_parts[number] = _Part((np.zeros if mixed else np.empty)(stop - start, np.uint8))
+        if self._prefill is not None and file.owns(number):
+            part.filled += self._prefill(file.path, start, stop, part.buffer)
         return part
+
+    def _submit_if_full(self, file: _File, number: int, part: _Part) -> None:
+        length = len(part.buffer)
+        if part.filled > length:
+            raise ValueError(
+                f"Expected each byte of part {number} of {file.upload.name!r} written once. "
+                f"Received: {part.filled} bytes of {length}."
+            )
+        if part.filled == length and number not in file.upload.mixed:
+            del file.open_parts[number]
+            self._submit(file, number, part.buffer)
+
+    def _submit(self, file: _File, number: int, buffer: np.ndarray) -> None:
+        with self._lock:
+            self._in_flight += 1
+        file.done[number] = self._pool.submit(self._upload, file.upload, number, buffer)
 
     def combine(self, path: str, number: int, reduce: Callable[[np.ndarray | None, int], np.ndarray | None]) -> None:
         """Combines mixed part `number` of `path` over the processes and, on
-        its owner, uploads it.
+        its owner, uploads it. A write to it afterwards is an error.
 
         Args:
             reduce: Called (on every process, collectively) with this
@@ -200,22 +231,23 @@ class PartUploads:
         file = self._files[path]
         start, stop = part_range(number, file.upload.size, self._part_bytes)
         part = file.open_parts.pop(number, None)
+        if part is None and file.owns(number) and self._error is None:
+            part = self._open(file, number)  # its prefilled bytes
+            file.open_parts.pop(number)
         # The collective first, whatever failed here: the other processes
         # wait for this one in it.
         combined = reduce(None if part is None else part.buffer, stop - start)
-        self._raise_if_failed()
         if part is not None:
-            part.buffer = None  # type: ignore[assignment]
             self._buffers.release()
+        file.done.setdefault(number, None)  # type: ignore[arg-type] - no later write
+        self._raise_if_failed()
         if combined is None:
             return
-        owned = file.upload.parts
-        if owned is not None and number not in owned:
+        if not file.owns(number):
             raise ValueError(f"Expected part {number} of {file.upload.name!r} combined on its owner only.")
         self._acquire(f"combining part {number} of {file.upload.name!r}")
-        with self._lock:
-            self._in_flight += 1
-        file.done[number] = self._pool.submit(self._upload, file.upload, number, combined)
+        del file.done[number]
+        self._submit(file, number, combined)
 
     def _acquire(self, doing: str) -> None:
         """Takes a buffer slot, waiting for an upload to return one."""
@@ -255,17 +287,27 @@ class PartUploads:
     def sync(self) -> None:
         """Nothing to flush: a part is durable once its upload returns."""
 
-    def close(self) -> dict[str, list[tuple[int, str]]]:
-        """Waits for every upload; returns per file the `(number, token)` of
-        the parts this process uploaded, in order.
+    def close(self) -> None:
+        """Nothing to close (the saver's writes end here): `finish` waits
+        for the uploads and says what they were."""
+
+    def finish(self) -> dict[str, list[tuple[int, str]]]:
+        """Uploads the parts this process owns that the writer left to
+        `prefill` alone, waits for every upload, and returns per file the
+        `(number, token)` of the parts this process uploaded, in order.
 
         Raises:
             The first upload's error; or `ValueError` when a part this
             process owns was left partly written.
         """
         try:
+            for file in self._files.values():
+                for number in range(1, part_count(file.upload.size, self._part_bytes) + 1):
+                    untouched = number not in file.done and number not in file.open_parts
+                    if untouched and file.owns(number) and number not in file.upload.mixed:
+                        self._submit_if_full(file, number, self._open(file, number))
             parts = {
-                f.upload.name: [(n, f.done[n].result()) for n in sorted(f.done)]
+                f.upload.name: [(n, f.done[n].result()) for n in sorted(f.done) if f.done[n] is not None]
                 for f in self._files.values()
             }
         finally:

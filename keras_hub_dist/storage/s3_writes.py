@@ -6,8 +6,8 @@ retries). The endpoint and credentials are the loader's
 (path-style there), the region from `AWS_REGION` / `AWS_DEFAULT_REGION` /
 the config, credentials from botocore's chain, unsigned when there are
 none. Retries: botocore's `standard` mode, 8 attempts, on throttling (429,
-503 SlowDown), 5xx and broken connections; a part's body is bytes in
-memory, so a retry sends it again whole.
+503 SlowDown), 5xx and broken connections; a part's body is streamed from
+its buffer (`uploads.PartBody`), so a retry sends it again whole.
 
 Example:
 
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from keras_hub_dist.errors import SaveError
-from keras_hub_dist.storage.uploads import ObjectMeta, ObjectWriter, Upload
+from keras_hub_dist.storage.uploads import ObjectMeta, ObjectWriter, PartBody, Upload
 
 __all__ = ["S3Writer"]
 
@@ -159,10 +159,11 @@ class S3Writer(ObjectWriter):
         return self._call("Starting the upload of", name, "create_multipart_upload", Key=self._key(name))["UploadId"]
 
     def upload_part(self, name: str, upload_id: str, number: int, data: Any) -> str:
-        body = bytes(data)  # botocore hashes and may resend the body: bytes it can reread
+        body = PartBody(data)  # botocore hashes it, sends it and seeks back to retry
         result = self._call(
             f"Uploading part {number} ({len(body)} bytes) of", name, "upload_part",
             Key=self._key(name), UploadId=upload_id, PartNumber=number, Body=body,
+            ContentLength=len(body),
         )
         return result["ETag"]
 

@@ -33,12 +33,13 @@ writer.complete_upload("model.weights.h5", upload, [(1, token)])
 from __future__ import annotations
 
 import abc
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 
-__all__ = ["ObjectMeta", "ObjectWriter", "Upload", "WRITE_SCHEMES"]
+__all__ = ["ObjectMeta", "ObjectWriter", "PartBody", "Upload", "WRITE_SCHEMES"]
 
 WRITE_SCHEMES = ("s3", "gs")
 
@@ -119,3 +120,45 @@ class ObjectWriter(abc.ABC):
     @abc.abstractmethod
     def list_uploads(self) -> list[Upload]:
         """The unfinished uploads under the prefix."""
+
+
+class PartBody(io.RawIOBase):
+    """A part's bytes as the file object HTTP clients stream a body from,
+    with no copy of the part (`bytes(part)` would hold a second 64 MiB per
+    upload in flight): each read copies one chunk, and a retry seeks back.
+
+    Example:
+
+    ```python
+    client.upload_part(..., Body=PartBody(memoryview(buffer)))
+    ```
+    """
+
+    def __init__(self, data: Any) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._position))
+        buffer[:n] = self._view[self._position : self._position + n]
+        self._position += n
+        return n
+
+    def __len__(self) -> int:
+        """The bytes left to read (what a client sends as Content-Length)."""
+        return len(self._view) - self._position

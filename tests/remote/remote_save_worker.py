@@ -9,7 +9,8 @@ PRESET sharded over the global mesh MESH ("BxM"), saves it to URL (the
 store's endpoint comes from the environment) and to OUT_DIR/local (a
 directory both processes share here), and writes
 `OUT_DIR/process_<id>.json` with what it uploaded and the error it raised,
-if any. MODE `fail_part`: process 1's second part upload raises.
+if any. MODE `fail_part`: process 1's second part upload raises (in the store's
+client, as a refused upload would).
 """
 
 import json
@@ -33,17 +34,19 @@ def main() -> None:
     from keras_hub_dist.storage import part_uploads
 
     checksums.CHUNK_BYTES = 5 << 20  # several parts of a small model (S3's minimum)
-    uploaded = []
-    real = part_uploads.PartUploads._upload
+    from keras_hub_dist.storage import s3_writes
 
-    def counting(self, upload, number, buffer):
+    uploaded = []
+    real = s3_writes.S3Writer.upload_part
+
+    def counting(self, name, upload_id, number, data):
         if mode == "fail_part" and jax.process_index() == 1 and len(uploaded) == 1:
-            raise OSError("injected by the test")
-        token = real(self, upload, number, buffer)
-        uploaded.append((upload.name, number, len(buffer)))
+            raise keras_hub_dist.SaveError("injected by the test")
+        token = real(self, name, upload_id, number, data)
+        uploaded.append((name, number, memoryview(data).nbytes))
         return token
 
-    part_uploads.PartUploads._upload = counting
+    s3_writes.S3Writer.upload_part = counting
     combined = []
     real_combine = part_uploads.PartUploads.combine
 

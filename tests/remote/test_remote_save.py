@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import secrets
+import time
 import uuid
 
 import keras_hub
@@ -210,19 +211,23 @@ def test_killed_save_uploads_aborted_by_the_next(presets, store, monkeypatch):
     dead = writer.create_upload("model.weights.h5")
     writer.put(".khd-save-deadbeef0000.json", json.dumps(
         {"host": "gone", "pid": 1, "uploads": {"model.weights.h5": dead}}).encode())
-    orphan = writer.create_upload("model_00001.weights.h5")
-    import time
-    time.sleep(1.5)
-    live = writer.create_upload("other.bin")
-    writer.put(f".khd-save-{secrets.token_hex(6)}.json", json.dumps(
-        {"host": "alive", "pid": 2, "uploads": {"other.bin": live}}).encode())
+    orphan = writer.create_upload("model_00001.weights.h5")  # no record claims it
+    time.sleep(1.5)  # both leases lapse (the store's clock)
     model = load_sharded_preset(presets["small"], mesh=(1, 8), progress=False)
-    with pytest.warns(StaleStagingWarning) as warned:
-        save_sharded_preset(model, url)
+    # A save running elsewhere: its record renewed every LEASE_SECONDS / 4.
+    live = remote_save._OwnerRecord(writer, secrets.token_hex(6))
+    live.uploads = {"other.bin": writer.create_upload("other.bin")}
+    live.start()
+    try:
+        with pytest.warns(StaleStagingWarning) as warned:
+            save_sharded_preset(model, url)
+    finally:
+        live.stop()
     text = str(warned[0].message)
-    assert "model.weights.h5" in text and "model_00001.weights.h5" in text and "other.bin" not in text
-    assert [u.upload_id for u in writer.list_uploads()] == [live]
-    writer.abort_upload("other.bin", live)
+    assert f"'model.weights.h5' ({dead[:12]}" in text and "deadbeef0000" in text, text
+    assert f"'model_00001.weights.h5' started" in text and "other.bin" not in text, text
+    assert [u.upload_id for u in writer.list_uploads()] == list(live.uploads.values())
+    writer.abort_upload("other.bin", live.uploads["other.bin"])
 
 
 def test_bad_targets_fail_before_any_upload(presets, s3, tmp_path):
