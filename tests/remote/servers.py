@@ -145,6 +145,9 @@ class RangeServer:
             part of its body is read, then the connection closes unanswered.
         fail_status: the status of the injected failures.
         fault_parts_only: faults only for part uploads (`Request.part`).
+        fault_first_tries: besides the rates, the first N tries of every
+            faultable request are faulted (cut where `cut_rate` is set,
+            else failed): a fault every request meets, whatever the draws.
         status_for: `path -> int | None`; a status answers the request.
         require_token: if set, `Authorization: Bearer <token>` is required
             (401 without one, 403 with a wrong one; `/lfs-objects/` exempt,
@@ -176,7 +179,7 @@ class RangeServer:
                  lfs_redirect: bool = False, fault_methods: tuple = ("GET",),
                  upstream_hook: Callable | None = None, host: str = "127.0.0.1",
                  port: int = 0, fail_status: int = 503, fault_parts_only: bool = False,
-                 bytes_per_second_per_address: float | None = None):
+                 bytes_per_second_per_address: float | None = None, fault_first_tries: int = 0):
         if flavor not in ("plain", "s3", "gcs"):
             raise ValueError(f"Expected flavor 'plain', 's3' or 'gcs'. Received: {flavor!r}")
         self.upstream = upstream.rstrip("/") if upstream else None
@@ -187,6 +190,7 @@ class RangeServer:
         self.bytes_per_second_per_connection = bytes_per_second_per_connection
         self.bytes_per_second_per_address = bytes_per_second_per_address
         self.fail_status, self.fault_parts_only = fail_status, fault_parts_only
+        self.fault_first_tries = fault_first_tries
         self._address_due: dict[str, float] = {}
         self._traffic: dict[str, list[tuple[float, int]]] = {}
         self.lfs_redirect, self.fault_methods = lfs_redirect, tuple(fault_methods)
@@ -336,11 +340,24 @@ class RangeServer:
         return Reply.of(status, {"Content-Type": "application/json"}, json.dumps(payload).encode())
 
     def _draw(self, kind: str, method: str, path: str, range_header: str | None) -> float:
+        return self._draw_counted(kind, method, path, range_header)[0]
+
+    def _draw_counted(self, kind, method, path, range_header) -> tuple[float, int]:
         key = (kind, method, path, range_header)
         with self._lock:
             count = self._attempts[key] = self._attempts.get(key, 0) + 1
         digest = hashlib.blake2b(repr((self.seed, *key, count)).encode(), digest_size=8)
-        return int.from_bytes(digest.digest(), "big") / 2**64
+        return int.from_bytes(digest.digest(), "big") / 2**64, count
+
+    def _hit(self, kind: str, method: str, path: str, range_header: str | None, rate: float) -> bool:
+        """Whether this try gets fault `kind` ("fail" or "cut"): drawn at
+        `rate`, or it is one of the first `fault_first_tries` tries of the
+        request (the cut where a cut rate is set, else the failure)."""
+        first = self.fault_first_tries if kind == ("cut" if self.cut_rate else "fail") else 0
+        if not rate and not first:
+            return False
+        value, count = self._draw_counted(kind, method, path, range_header)
+        return value < rate or count <= first
 
     def _key(self, raw_path: str, path: str, query: str = "") -> str | None:
         hub_key = self.hub.key(raw_path)
@@ -369,8 +386,7 @@ class RangeServer:
                                    + ("none" if auth is None else "a wrong token"))
                 reply.headers["WWW-Authenticate"] = "Bearer"
                 return reply, "auth"
-        if (self.fail_rate and faultable
-                and self._draw("fail", method, draw_path or raw_path, range_header) < self.fail_rate):
+        if faultable and self._hit("fail", method, draw_path or raw_path, range_header, self.fail_rate):
             reply = self.error(self.fail_status, "Injected fault: service unavailable or "
                                                  "throttled, retry")
             if self.retry_after is not None:
@@ -443,8 +459,7 @@ class RangeServer:
         draw_path = raw_path if method in ("GET", "HEAD") else f"{raw_path}?{query}"
         length = int(h.headers.get("Content-Length") or 0)
         upload_cut = None
-        if (faultable and self.cut_rate and length
-                and self._draw("cut", method, draw_path, range_header) < self.cut_rate):
+        if faultable and length and self._hit("cut", method, draw_path, range_header, self.cut_rate):
             upload_cut = int(self._draw("cut-at", method, draw_path, range_header) * length)
         body = self._read_body(h, host, upload_cut)
         process = h.headers.get("X-Khd-Process")
@@ -465,9 +480,8 @@ class RangeServer:
         except (OSError, urllib3.exceptions.HTTPError) as e:  # the upstream failed
             reply, fault = self.error(502, f"Upstream {self.upstream} failed: {e!r}"), None
         cut_at = None
-        if (self.cut_rate and faultable and method != "HEAD" and body is None
-                and reply.length and fault is None
-                and self._draw("cut", method, raw_path, range_header) < self.cut_rate):
+        if (faultable and method != "HEAD" and body is None and reply.length and fault is None
+                and self._hit("cut", method, raw_path, range_header, self.cut_rate)):
             cut_at = int(self._draw("cut-at", method, raw_path, range_header) * reply.length)
             fault = "cut"
         planned = 0 if method == "HEAD" else reply.length if cut_at is None else cut_at
