@@ -17,14 +17,15 @@ credential chain, unsigned requests when it finds none).
   SigV4-signed urllib3 `PUT` of the memoryview (`RangeClient.request`),
   with `x-amz-checksum-crc32` (S3 checks it) and, as botocore does, the
   payload's SHA-256 signed over plain HTTP and `UNSIGNED-PAYLOAD` over
-  HTTPS. Measured (2026-11-26, moto in its own process on loopback, 2
-  shared cores, median of 5 parts, client CPU per part): 16 MiB parts,
-  botocore `upload_part` 25 ms of client CPU, this path 17 ms (7 ms with
-  `UNSIGNED-PAYLOAD`); 64 MiB parts 112-123 ms vs 78-82 ms (37-40 ms).
-  Wall time per part was moto's (it hashes and stores every part): 90-155
-  ms vs 69-116 ms for 16 MiB. botocore also refuses a memoryview (a
-  16-64 MiB copy into `bytes` per part) and writes bodies to the socket in
-  16 KiB blocks. A failure that may pass (429 with `Retry-After`, 5xx, a
+  HTTPS. Measured (`benchmarks/bench_part_upload.py --rounds 3`,
+  2026-11-26, moto in its own process on loopback, 2 shared cores; per
+  part, median of 5, over 3 rounds): 64 MiB parts, botocore's
+  `upload_part` 132-149 ms of client CPU and 454-651 ms wall, this path
+  66-69 ms and 330-544 ms; 16 MiB parts, 25-30 ms vs 21 ms of CPU, wall
+  the same (76-165 ms, moto's: it hashes and stores every part). Both hash
+  the body alike (SHA-256 over HTTP, CRC32); botocore also refuses a
+  memoryview (a 16-64 MiB copy into `bytes` per part) and sends the body
+  from a file object in 16 KiB reads. A failure that may pass (429 with `Retry-After`, 5xx, a
   connection cut mid-body) is retried by the client's `RetryPolicy`, the
   part re-sent whole from the caller's buffer; S3 keeps the last upload of
   a part number.
