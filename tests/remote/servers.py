@@ -39,6 +39,11 @@ Benchmarks serve a directory from the command line and read the URL from the
 first line printed (JSON):
 
     python tests/remote/servers.py --dir PATH --latency 0.02 --rate 50e6 [--hub owner/name]
+
+or proxy an object store (a write benchmark: AWS_ENDPOINT_URL or
+STORAGE_EMULATOR_HOST at the printed endpoint), each client address capped:
+
+    python tests/remote/servers.py --upstream http://127.0.0.1:PORT --flavor s3 --rate-per-address 25e6
 """
 
 from __future__ import annotations
@@ -654,23 +659,37 @@ def main(argv: list[str] | None = None) -> None:
     """Serves a directory until SIGINT/SIGTERM; prints one JSON line with the
     URL first, and writes the request log as JSON lines to --log at exit."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--dir", required=True, help="the checkpoint directory to serve")
+    parser.add_argument("--dir", help="the checkpoint directory to serve")
+    parser.add_argument("--upstream", help="instead, proxy to this URL (moto, the GCS emulator)")
+    parser.add_argument("--flavor", default="plain", choices=["plain", "s3", "gcs"])
     parser.add_argument("--prefix", default="ckpt", help="served at http://HOST:PORT/PREFIX/")
     parser.add_argument("--hub", help="also serve it as the Hub model repo owner/name")
     parser.add_argument("--lfs-redirect", action="store_true")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds before each response")
     parser.add_argument("--rate", type=float, default=None, help="bytes/s per connection")
+    parser.add_argument("--rate-per-address", type=float, default=None,
+                        help="bytes/s per client address, both ways (one link per 127.0.0.x)")
     parser.add_argument("--fail-rate", type=float, default=0.0)
     parser.add_argument("--cut-rate", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--log", help="write the request log here (JSON lines) at exit")
     args = parser.parse_args(argv)
+    if not (args.dir or args.upstream):
+        parser.error("give --dir or --upstream")
+    hook = None
+    if args.flavor == "gcs":
+        from remote.stores import gcs_semantics
+        hook = gcs_semantics
     server = RangeServer(latency_s=args.latency, bytes_per_second_per_connection=args.rate,
+                         bytes_per_second_per_address=args.rate_per_address,
                          fail_rate=args.fail_rate, cut_rate=args.cut_rate, seed=args.seed,
-                         lfs_redirect=args.lfs_redirect, port=args.port)
-    server.put_dir(args.dir, args.prefix)
-    info = {"url": f"{server.url}/{args.prefix.strip('/')}", "endpoint": server.url}
+                         lfs_redirect=args.lfs_redirect, port=args.port, upstream=args.upstream,
+                         flavor=args.flavor, upstream_hook=hook)
+    info = {"endpoint": server.url, "url": server.url}
+    if args.dir:
+        server.put_dir(args.dir, args.prefix)
+        info["url"] = f"{server.url}/{args.prefix.strip('/')}"
     if args.hub:
         sha = server.add_hub_repo(args.hub, {rel: path for path, rel in walk_files(args.dir)})
         info.update(hf=f"hf://{args.hub}", hf_sha=sha, HF_ENDPOINT=server.url)
