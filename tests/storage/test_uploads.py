@@ -19,7 +19,7 @@ from keras_hub_dist.storage.object_stores import S3Store
 from keras_hub_dist.storage.ranged_http import ObjectInfo, RangeClient, RetryPolicy
 from keras_hub_dist.storage.uploads import ObjectWriter, open_writer
 from keras_hub_dist.storage.writer_base import MIN_PART, RESERVED
-from remote.servers import RangeServer, Reply
+from remote.servers import Reply
 
 MIB = 1 << 20
 FAST = RetryPolicy(attempts=6, backoff_s=0.01, max_backoff_s=0.1, connect_timeout_s=5,
@@ -330,7 +330,7 @@ def test_nothing_is_written_to_local_disk(target, tmp_path, monkeypatch):
     assert os.listdir(home) == [] and os.listdir(tmp) == []
 
 
-def test_each_client_binds_its_source_address_and_each_address_gets_its_own_link(make_target):
+def test_each_client_binds_its_source_address_and_each_address_gets_its_own_link(make_target, monkeypatch):
     """Two processes' clients, each from its own 127.0.0.x, through a
     server that caps every client address at 8 MB/s: each gets its cap at
     once (measured at the server), the pair twice one's."""
@@ -365,11 +365,9 @@ def test_each_client_binds_its_source_address_and_each_address_gets_its_own_link
 
     # Reads too: `KERAS_HUB_DIST_SOURCE_ADDRESS` binds a reader's client.
     target.proxy.bytes_per_second_per_address = None
-    os.environ["KERAS_HUB_DIST_SOURCE_ADDRESS"] = "127.0.0.4"
-    try:
-        reader = RangeClient(concurrency=2, retry=FAST)
-    finally:
-        del os.environ["KERAS_HUB_DIST_SOURCE_ADDRESS"]
+    monkeypatch.setenv("KERAS_HUB_DIST_SOURCE_ADDRESS", "127.0.0.4")
+    reader = RangeClient(concurrency=2, retry=FAST)
+    monkeypatch.delenv("KERAS_HUB_DIST_SOURCE_ADDRESS")
     with reader:
         store = S3Store(target.url(), reader)
         info = store.stat("w-127.0.0.2.bin")
