@@ -10,6 +10,9 @@
   into host buffers;
 - `object_stores`: S3, GCS, the Hugging Face Hub and plain HTTP: addressing,
   credentials, listing.
+- `uploads` (`open_writer`): writing a preset into S3 or GCS: small objects
+  whole, large ones by multipart upload (`writer_base.ObjectWriter`; S3's
+  own in `s3_writer`, GCS's made of `compose` in `gcs_writer`).
 
 This room imports nothing of `formats/` or `quantize/` (checked by
 `tests/test_package_layout.py`).

@@ -153,6 +153,8 @@ class S3Store(Store):
             or (session.get_config_variable("region") if session else None) or "us-east-1"
         )
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        # The endpoint set in the environment (path-style), or None for AWS's.
+        self.endpoint = endpoint.rstrip("/") if endpoint else None
         if endpoint:
             self.base = f"{endpoint.rstrip('/')}/{self.bucket}"
         else:
@@ -203,9 +205,14 @@ class S3Store(Store):
 
 
 class GcsStore(Store):
-    """A GCS bucket and prefix; see the module doc."""
+    """A GCS bucket and prefix; see the module doc.
 
-    _SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
+    Attributes:
+        scope: The OAuth scope asked of application-default credentials
+            (read-only here; the save's writer asks read-write).
+    """
+
+    scope = "https://www.googleapis.com/auth/devstorage.read_only"
 
     def __init__(self, location: str, client: RangeClient) -> None:
         self.location = location
@@ -234,7 +241,7 @@ class GcsStore(Store):
                                       "are anonymous (pip install 'keras-hub-dist[remote]')")
             return
         try:
-            self._credentials, project = google.auth.default(scopes=[self._SCOPE])
+            self._credentials, project = google.auth.default(scopes=[self.scope])
             kind = type(self._credentials).__name__
             self._credentials_note = f"Google application-default credentials ({kind})"
         except google.auth.exceptions.DefaultCredentialsError:

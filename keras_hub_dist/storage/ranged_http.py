@@ -62,6 +62,7 @@ from __future__ import annotations
 import email.utils
 import http.client
 import importlib.metadata
+import os
 import random
 import re
 import sys
@@ -77,12 +78,8 @@ import urllib3
 from keras_hub_dist.errors import PresetError
 
 __all__ = [
-    "DEFAULT_CHUNK_BYTES",
-    "DEFAULT_CONCURRENCY",
-    "ObjectInfo",
-    "RangeClient",
-    "RemoteFile",
-    "RetryPolicy",
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_CONCURRENCY", "ObjectInfo", "RangeClient", "RemoteFile",
+    "RetryPolicy", "SOURCE_ADDRESS_ENV",
 ]
 
 # Measured on the loopback probe (BENCHMARKS.md): 16 connections of 16 MiB
@@ -92,6 +89,8 @@ DEFAULT_CONCURRENCY = 16
 DEFAULT_CHUNK_BYTES = 16 << 20
 # A body is read in pieces of at most this size (each a `readinto`).
 _READ_STEP = 1 << 20
+# Where a process's connections come from (`RangeClient(source_address=)`).
+SOURCE_ADDRESS_ENV = "KERAS_HUB_DIST_SOURCE_ADDRESS"
 _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
@@ -177,6 +176,9 @@ class RangeClient:
         process_index: Sent as `X-Khd-Process` with every request (beside a
             `keras-hub-dist/<version>` User-Agent), so a server's logs tell
             the processes of a job apart.
+        source_address: The local address connections are made from (default
+            `KERAS_HUB_DIST_SOURCE_ADDRESS`, else the system's choice), so
+            each process of a job can use its own link or interface.
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class RangeClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         retry: RetryPolicy | None = None,
         process_index: int = 0,
+        source_address: str | None = None,
     ) -> None:
         if concurrency < 1 or chunk_bytes < 1:
             raise ValueError(
@@ -202,6 +205,8 @@ class RangeClient:
         # Range reads run on the `concurrency` request threads; a few more
         # connections serve metadata and small files asked from elsewhere.
         # `block=True`: past that, a request waits for a free connection.
+        self.source_address = source_address or os.environ.get(SOURCE_ADDRESS_ENV) or None
+        bind = {"source_address": (self.source_address, 0)} if self.source_address else {}
         self._pool = urllib3.PoolManager(
             num_pools=16,
             maxsize=concurrency + 4,
@@ -210,11 +215,13 @@ class RangeClient:
             timeout=urllib3.Timeout(
                 connect=self.retry.connect_timeout_s, read=self.retry.read_timeout_s
             ),
+            **bind,
         )
         self._threads = ThreadPoolExecutor(concurrency, "keras_hub_dist-fetch")
         self._stopped = threading.Event()
         self.requests = 0
         self.bytes_received = 0
+        self.bytes_sent = 0  # request bodies that were answered
         self._lock = threading.Lock()
 
     def cancel(self) -> None:
@@ -243,9 +250,11 @@ class RangeClient:
         headers: Mapping[str, str] | None = None,
         *,
         redirect: bool = True,
+        body: Any = None,
     ) -> Any:
         """One whole request with the store's headers (metadata, listings,
-        small files), retried while it may pass.
+        small files, uploads: `body` is a bytes-like sent as it is, whole
+        again on each try), retried while it may pass.
 
         Returns:
             The urllib3 response, its body read. A status that will not
@@ -264,12 +273,14 @@ class RangeClient:
             try:
                 signed = {**all_headers, **signer.headers(method, url, all_headers)}
                 response = self._pool.request(
-                    method, url, headers=signed, redirect=redirect, retries=_follow(redirect)
+                    method, url, body=body, headers=signed, redirect=redirect,
+                    retries=_follow(redirect),
                 )
             except (urllib3.exceptions.HTTPError, OSError) as e:
                 cause = e
                 continue
-            self._count(requests=1, received=len(response.data or b""))
+            sent = memoryview(body).nbytes if body is not None else 0
+            self._count(requests=1, received=len(response.data or b""), sent=sent)
             if response.status not in _RETRY_STATUSES:
                 return response
             cause = _Retryable(f"HTTP {response.status}", _retry_after(response))
@@ -279,10 +290,24 @@ class RangeClient:
             "and the network, or retry later."
         ) from cause
 
-    def _count(self, requests: int = 0, received: int = 0) -> None:
+    def send_once(self, method: str, url: str, headers: Mapping[str, Any], body: Any = None,
+                  chunked: bool = False) -> Any:
+        """One try of a request exactly as given (headers already signed;
+        `X-Khd-Process` added), its body left unread: for another library's
+        requests (botocore's) sent through this client's connections."""
+        headers = {**headers, "X-Khd-Process": self.base_headers["X-Khd-Process"]}
+        response = self._pool.urlopen(
+            method, url, body=body, headers=headers, retries=False, redirect=False,
+            preload_content=False, decode_content=False, chunked=chunked,
+        )
+        self._count(requests=1)
+        return response
+
+    def _count(self, requests: int = 0, received: int = 0, sent: int = 0) -> None:
         with self._lock:
             self.requests += requests
             self.bytes_received += received
+            self.bytes_sent += sent
 
     # -- files -------------------------------------------------------------
 

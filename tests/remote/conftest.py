@@ -7,6 +7,10 @@ fault-injecting `RangeServer` (tests/remote/servers.py).
   the `test` extra is not installed); `s3` / `gcs`: the same, with the
   environment of a client of it set for the test.
 - `hub_server`: a `RangeServer` that huggingface_hub talks to for the test.
+- `remote_target(scheme, **server_options)`: a fresh empty bucket ("s3"
+  or "gs") behind a proxy made with those options (faults on uploads,
+  per-address caps), the environment of a client of it set; returns the
+  `remote_stores.Remote` (its `url` is where a save writes).
 - `remote_checkpoint(local_dir, schemes=..., **faults)`: uploads a directory
   to every scheme and returns `{scheme: remote_stores.Remote}` with the
   environment of each set for the test (`AWS_ENDPOINT_URL` and
@@ -94,6 +98,20 @@ def hub_server(monkeypatch, tmp_path):
     with remote_servers.RangeServer() as server:
         remote_hub.patch_huggingface_hub(monkeypatch, server.url, str(tmp_path / "hf-cache"))
         yield server
+
+
+@pytest.fixture
+def remote_target(request, monkeypatch):
+    with contextlib.ExitStack() as stack:
+
+        def make(scheme, **options):
+            s3 = request.getfixturevalue("moto_server") if scheme == "s3" else None
+            gcs = request.getfixturevalue("gcs_server") if scheme == "gs" else None
+            remote = stack.enter_context(remote_stores.empty_remote(scheme, s3=s3, gcs=gcs, **options))
+            _set_env(monkeypatch, remote.env)
+            return remote
+
+        yield make
 
 
 @pytest.fixture

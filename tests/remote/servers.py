@@ -2,7 +2,12 @@
 
 `RangeServer` is a threaded HTTP/1.1 server (keep-alive) on 127.0.0.1 that
 serves objects with single byte ranges, logs every request at the event and
-injects faults, latency and a bandwidth cap. It has three roles:
+injects faults, latency and bandwidth caps (per connection, or per client
+address: each process binding its own 127.0.0.x gets its own link). Uploads
+are logged too (body bytes read, part number, process, client address) and
+faulted (503 / 429, or a body cut mid-way), so the writers' retries and
+each process's share of a save are measured at the server. It has three
+roles:
 
 - plain objects: `{path: bytes | file path}` (files are read with `os.pread`
   chunk by chunk, so a 4 GB probe never lives in memory);
@@ -34,6 +39,11 @@ Benchmarks serve a directory from the command line and read the URL from the
 first line printed (JSON):
 
     python tests/remote/servers.py --dir PATH --latency 0.02 --rate 50e6 [--hub owner/name]
+
+or proxy an object store (a write benchmark: AWS_ENDPOINT_URL or
+STORAGE_EMULATOR_HOST at the printed endpoint), each client address capped:
+
+    python tests/remote/servers.py --upstream http://127.0.0.1:PORT --flavor s3 --rate-per-address 25e6
 """
 
 from __future__ import annotations
@@ -70,6 +80,8 @@ _HOP_BY_HOP = frozenset({
 })
 # A GCS object in the JSON API (`/storage/v1/b/B/o/O`) or the media API
 # (`/download/storage/v1/b/B/o/O`), path decoded.
+# A GCS upload (`/upload/storage/v1/b/B/o?name=O`).
+GCS_UPLOAD = re.compile(r"^/upload(?:/storage/v1)?/b/(?P<bucket>[^/]+)/o$")
 GCS_OBJECT = re.compile(r"^(?P<media>/download)?(?:/storage/v1)?/b/(?P<bucket>[^/]+)/o/(?P<object>.+)$")
 # Error codes in each store's own words: (S3 XML code, GCS JSON reason).
 _ERROR_CODES = {
@@ -94,7 +106,11 @@ class Request:
     `time` is when the request arrived (`time.time()`); `key` is the object
     key it addressed (S3 key without the bucket, GCS object name, Hub file
     name, plain path); `fault` is "status", "auth", "fail" or "cut" when one
-    was injected."""
+    was injected. Uploads: `bytes_received` counts the request body bytes
+    read (all of it, or what arrived before an injected cut), `part` is the
+    part number of a part upload (S3's `partNumber`, or the `X-Khd-Part`
+    header the writers send), `client_host` the address the request came
+    from (a process binding its own 127.0.0.x shows here)."""
 
     method: str
     path: str
@@ -109,6 +125,9 @@ class Request:
     time: float
     key: str | None = None
     fault: str | None = None
+    bytes_received: int = 0
+    part: int | None = None
+    client_host: str | None = None
 
 
 class RangeServer:
@@ -122,17 +141,28 @@ class RangeServer:
         seed: faults are drawn from a hash of (seed, kind, method, path,
             Range, how many times that same request came before), so they
             do not depend on how threads interleave, and a retry draws anew.
-        fail_rate: fraction of the requests (of `fault_methods`) answered 503.
-        retry_after: if not None, the `Retry-After` header of those 503s.
-        cut_rate: fraction of faultable bodies cut short: the headers carry
-            the full Content-Length, part of the body follows, then the
-            connection closes.
+        fail_rate: fraction of the requests (of `fault_methods`) answered
+            `fail_status` (503, or 429 for throttling).
+        retry_after: if not None, the `Retry-After` header of those answers.
+        cut_rate: fraction of faultable bodies cut short. A reply: the
+            headers carry the full Content-Length, part of the body follows,
+            then the connection closes. An upload (a request with a body):
+            part of its body is read, then the connection closes unanswered.
+        fail_status: the status of the injected failures.
+        fault_parts_only: faults only for part uploads (`Request.part`).
+        fault_first_tries: besides the rates, the first N tries of every
+            faultable request are faulted (cut where `cut_rate` is set,
+            else failed): a fault every request meets, whatever the draws.
         status_for: `path -> int | None`; a status answers the request.
         require_token: if set, `Authorization: Bearer <token>` is required
             (401 without one, 403 with a wrong one; `/lfs-objects/` exempt,
             like the Hub's signed CDN URLs).
         latency_s: added before each response's first byte.
         bytes_per_second_per_connection: bandwidth cap for each connection.
+        bytes_per_second_per_address: bandwidth cap for each client address
+            (all its connections, both directions: replies sent and request
+            bodies read), so processes binding their own 127.0.0.x each get
+            their own link (`traffic` measures it).
         lfs_redirect: Hub LFS files answer 302 to `/lfs-objects/<sha256>` on
             `localhost` (another origin, like the Hub's CDN; huggingface_hub
             reads the metadata from the 302 and follows it only to download).
@@ -153,7 +183,8 @@ class RangeServer:
                  bytes_per_second_per_connection: float | None = None,
                  lfs_redirect: bool = False, fault_methods: tuple = ("GET",),
                  upstream_hook: Callable | None = None, host: str = "127.0.0.1",
-                 port: int = 0):
+                 port: int = 0, fail_status: int = 503, fault_parts_only: bool = False,
+                 bytes_per_second_per_address: float | None = None, fault_first_tries: int = 0):
         if flavor not in ("plain", "s3", "gcs"):
             raise ValueError(f"Expected flavor 'plain', 's3' or 'gcs'. Received: {flavor!r}")
         self.upstream = upstream.rstrip("/") if upstream else None
@@ -162,6 +193,11 @@ class RangeServer:
         self.status_for, self.require_token = status_for, require_token
         self.latency_s = latency_s
         self.bytes_per_second_per_connection = bytes_per_second_per_connection
+        self.bytes_per_second_per_address = bytes_per_second_per_address
+        self.fail_status, self.fault_parts_only = fail_status, fault_parts_only
+        self.fault_first_tries = fault_first_tries
+        self._address_due: dict[str, float] = {}
+        self._traffic: dict[str, list[tuple[float, int]]] = {}
         self.lfs_redirect, self.fault_methods = lfs_redirect, tuple(fault_methods)
         self.upstream_hook = upstream_hook
         self.hub = remote_hub.HubRepos()
@@ -241,10 +277,14 @@ class RangeServer:
 
     def requests(self, method: str | None = None, path_prefix: str | None = None,
                  process: int | None = None, *, key: str | None = None,
-                 key_prefix: str | None = None, status: int | None = None) -> list[Request]:
-        """The logged requests that match every filter given."""
+                 key_prefix: str | None = None, status: int | None = None,
+                 host: str | None = None, parts: bool = False) -> list[Request]:
+        """The logged requests that match every filter given (`parts`: part
+        uploads only)."""
         return [r for r in self.log
                 if (method is None or r.method == method)
+                and (host is None or r.client_host == host)
+                and (not parts or r.part is not None)
                 and (path_prefix is None or r.path.startswith(path_prefix))
                 and (process is None or r.process == process)
                 and (key is None or r.key == key)
@@ -260,10 +300,30 @@ class RangeServer:
             None, path_prefix, process, key=key, key_prefix=key_prefix)
             if errors or r.status < 300)
 
+    def bytes_received(self, process: int | None = None, *, key: str | None = None,
+                       key_prefix: str | None = None, host: str | None = None,
+                       parts: bool = False, errors: bool = False) -> int:
+        """Request body bytes read (uploads) of requests answered 2xx (all
+        requests with `errors=True`: faulted and cut ones too)."""
+        return sum(r.bytes_received for r in self.requests(
+            None, None, process, key=key, key_prefix=key_prefix, host=host, parts=parts)
+            if errors or 200 <= r.status < 300)
+
+    def traffic(self, host: str) -> tuple[int, float]:
+        """`(bytes, seconds)` that client address `host` moved through this
+        server, both directions, between the first and the last piece
+        (pieces of at most 256 KiB): its rate as the server saw it."""
+        with self._lock:
+            flow = list(self._traffic.get(host, ()))
+        if not flow:
+            return 0, 0.0
+        return sum(n for _, n in flow), flow[-1][0] - flow[0][0]
+
     def clear(self) -> None:
         with self._lock:
             self._log.clear()
             self._attempts.clear()
+            self._traffic.clear()
 
     def upstream_request(self, method: str, path: str, headers: dict | None = None):
         """A request to the upstream, read whole (for `upstream_hook`s)."""
@@ -285,24 +345,40 @@ class RangeServer:
         return Reply.of(status, {"Content-Type": "application/json"}, json.dumps(payload).encode())
 
     def _draw(self, kind: str, method: str, path: str, range_header: str | None) -> float:
+        return self._draw_counted(kind, method, path, range_header)[0]
+
+    def _draw_counted(self, kind, method, path, range_header) -> tuple[float, int]:
         key = (kind, method, path, range_header)
         with self._lock:
             count = self._attempts[key] = self._attempts.get(key, 0) + 1
         digest = hashlib.blake2b(repr((self.seed, *key, count)).encode(), digest_size=8)
-        return int.from_bytes(digest.digest(), "big") / 2**64
+        return int.from_bytes(digest.digest(), "big") / 2**64, count
 
-    def _key(self, raw_path: str, path: str) -> str | None:
+    def _hit(self, kind: str, method: str, path: str, range_header: str | None, rate: float) -> bool:
+        """Whether this try gets fault `kind` ("fail" or "cut"): drawn at
+        `rate`, or it is one of the first `fault_first_tries` tries of the
+        request (the cut where a cut rate is set, else the failure)."""
+        first = self.fault_first_tries if kind == ("cut" if self.cut_rate else "fail") else 0
+        if not rate and not first:
+            return False
+        value, count = self._draw_counted(kind, method, path, range_header)
+        return value < rate or count <= first
+
+    def _key(self, raw_path: str, path: str, query: str = "") -> str | None:
         hub_key = self.hub.key(raw_path)
         if hub_key is not None:
             return hub_key
         if self.flavor == "s3":
             return path.lstrip("/").partition("/")[2] or None
+        if self.flavor == "gcs" and GCS_UPLOAD.match(path):
+            return (urllib.parse.parse_qs(query).get("name") or [None])[0]
         if self.flavor == "gcs":
             match = GCS_OBJECT.match(path)
             return match["object"] if match else None
         return path.lstrip("/") or None
 
-    def _reply(self, h, method, raw_path, path, query, body) -> tuple[Reply, str | None]:
+    def _reply(self, h, method, raw_path, path, query, body, faultable=True,
+               draw_path=None) -> tuple[Reply, str | None]:
         headers, range_header = h.headers, h.headers.get("Range")
         status = self.status_for(path) if self.status_for else None
         if status:
@@ -315,9 +391,9 @@ class RangeServer:
                                    + ("none" if auth is None else "a wrong token"))
                 reply.headers["WWW-Authenticate"] = "Bearer"
                 return reply, "auth"
-        if (self.fail_rate and method in self.fault_methods
-                and self._draw("fail", method, raw_path, range_header) < self.fail_rate):
-            reply = self.error(503, "Injected fault: service unavailable, retry")
+        if faultable and self._hit("fail", method, draw_path or raw_path, range_header, self.fail_rate):
+            reply = self.error(self.fail_status, "Injected fault: service unavailable or "
+                                                 "throttled, retry")
             if self.retry_after is not None:
                 reply.headers["Retry-After"] = f"{self.retry_after:g}"
             return reply, "fail"
@@ -381,25 +457,40 @@ class RangeServer:
         raw_path, query, method = split.path, split.query, h.command
         path = urllib.parse.unquote(raw_path)
         range_header = h.headers.get("Range")
-        body = read_body(h)
+        host = h.client_address[0]
+        part = _part_number(query, h.headers.get("X-Khd-Part"))
+        faultable = method in self.fault_methods and (not self.fault_parts_only or part is not None)
+        # Requests with a body differ by their query too (the parts of one S3 object).
+        draw_path = raw_path if method in ("GET", "HEAD") else f"{raw_path}?{query}"
+        length = int(h.headers.get("Content-Length") or 0)
+        upload_cut = None
+        if faultable and length and self._hit("cut", method, draw_path, range_header, self.cut_rate):
+            upload_cut = int(self._draw("cut-at", method, draw_path, range_header) * length)
+        body = self._read_body(h, host, upload_cut)
+        process = h.headers.get("X-Khd-Process")
+        process = int(process) if process and process.strip().lstrip("-").isdigit() else None
+        start, end = requested_range(range_header)
+        key = self._key(raw_path, path, query)
+        common = dict(user_agent=h.headers.get("User-Agent"), process=process,
+                      client_port=h.client_address[1], time=arrived, key=key,
+                      bytes_received=len(body or b""), part=part, client_host=host)
+        if upload_cut is not None:  # the connection closes unanswered
+            h.close_connection = True
+            with self._lock:
+                self._log.append(Request(method, path, query, start, end, 0, 0, fault="cut", **common))
+            return
         self._wait(self.latency_s)
         try:
-            reply, fault = self._reply(h, method, raw_path, path, query, body)
+            reply, fault = self._reply(h, method, raw_path, path, query, body, faultable, draw_path)
         except (OSError, urllib3.exceptions.HTTPError) as e:  # the upstream failed
             reply, fault = self.error(502, f"Upstream {self.upstream} failed: {e!r}"), None
         cut_at = None
-        if (self.cut_rate and method in self.fault_methods and method != "HEAD"
-                and reply.length and fault is None
-                and self._draw("cut", method, raw_path, range_header) < self.cut_rate):
+        if (faultable and method != "HEAD" and body is None and reply.length and fault is None
+                and self._hit("cut", method, raw_path, range_header, self.cut_rate)):
             cut_at = int(self._draw("cut-at", method, raw_path, range_header) * reply.length)
             fault = "cut"
-        process = h.headers.get("X-Khd-Process")
-        start, end = requested_range(range_header)
         planned = 0 if method == "HEAD" else reply.length if cut_at is None else cut_at
-        record = Request(
-            method, path, query, start, end, reply.status, planned, h.headers.get("User-Agent"),
-            int(process) if process and process.strip().lstrip("-").isdigit() else None,
-            h.client_address[1], arrived, self._key(raw_path, path), fault)
+        record = Request(method, path, query, start, end, reply.status, planned, fault=fault, **common)
         # Logged before the first byte leaves, so a client that has read its
         # reply always finds it in the log; corrected if the body falls short.
         with self._lock:
@@ -417,6 +508,24 @@ class RangeServer:
             if reply.close:
                 reply.close()
 
+    def _read_body(self, h, host: str, limit: int | None = None) -> bytes | None:
+        """The request body (its first `limit` bytes), read at the address's
+        pace; a chunked body is read whole, unpaced."""
+        length = h.headers.get("Content-Length")
+        if length is None:
+            return read_body(h)
+        total = int(length) if limit is None else limit
+        pieces, got = [], 0
+        while got < total:
+            self._pace(host, min(CHUNK, total - got))
+            piece = h.rfile.read(min(CHUNK, total - got))
+            if not piece:
+                break
+            pieces.append(piece)
+            got += len(piece)
+            self._moved(host, len(piece))
+        return b"".join(pieces)
+
     def _send(self, h, reply: Reply, method: str, cut_at: int | None) -> int:
         h.khd_sent = 0  # read back if sending fails
         h.send_response(reply.status)
@@ -428,16 +537,20 @@ class RangeServer:
             return 0
         if cut_at is not None:
             h.close_connection = True
-        rate = self.bytes_per_second_per_connection
-        step = int(min(CHUNK, max(4096, rate / 50))) if rate else CHUNK
+        rates = [r for r in (self.bytes_per_second_per_connection,
+                             self.bytes_per_second_per_address) if r]
+        step = int(min(CHUNK, max(4096, min(rates) / 50))) if rates else CHUNK
+        host = h.client_address[0]
         for chunk in reply.chunks:
             for pos in range(0, len(chunk), step):
                 piece = chunk[pos:pos + step]
                 if cut_at is not None:
                     piece = piece[:cut_at - h.khd_sent]
                 self._throttle(h, len(piece))
+                self._pace(host, len(piece))
                 h.wfile.write(piece)
                 h.khd_sent += len(piece)
+                self._moved(host, len(piece))
                 if cut_at is not None and h.khd_sent >= cut_at:
                     return h.khd_sent
         return h.khd_sent
@@ -455,9 +568,33 @@ class RangeServer:
         self._wait(due - now)
         h.khd_due = due + n / rate
 
+    def _pace(self, host: str, n: int) -> None:
+        """Per-address pacing: `n` bytes of `host` move once its earlier
+        ones (on any of its connections) have had their time at the cap."""
+        rate = self.bytes_per_second_per_address
+        if not rate or not n:
+            return
+        if self._stopping.is_set():
+            raise ConnectionAbortedError("the server is stopping")
+        with self._lock:
+            now = time.monotonic()
+            due = max(self._address_due.get(host, now), now)
+            self._address_due[host] = due + n / rate
+        self._wait(due - now)
+
+    def _moved(self, host: str, n: int) -> None:
+        with self._lock:
+            self._traffic.setdefault(host, []).append((time.monotonic(), n))
+
     def _wait(self, seconds: float) -> None:
         if seconds > 0:
             self._stopping.wait(seconds)
+
+
+def _part_number(query: str, header: str | None) -> int | None:
+    """The part number of a part upload: S3's `partNumber`, or `X-Khd-Part`."""
+    value = (urllib.parse.parse_qs(query).get("partNumber") or [header])[0]
+    return int(value) if value and value.strip().isdigit() else None
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -522,23 +659,37 @@ def main(argv: list[str] | None = None) -> None:
     """Serves a directory until SIGINT/SIGTERM; prints one JSON line with the
     URL first, and writes the request log as JSON lines to --log at exit."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--dir", required=True, help="the checkpoint directory to serve")
+    parser.add_argument("--dir", help="the checkpoint directory to serve")
+    parser.add_argument("--upstream", help="instead, proxy to this URL (moto, the GCS emulator)")
+    parser.add_argument("--flavor", default="plain", choices=["plain", "s3", "gcs"])
     parser.add_argument("--prefix", default="ckpt", help="served at http://HOST:PORT/PREFIX/")
     parser.add_argument("--hub", help="also serve it as the Hub model repo owner/name")
     parser.add_argument("--lfs-redirect", action="store_true")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds before each response")
     parser.add_argument("--rate", type=float, default=None, help="bytes/s per connection")
+    parser.add_argument("--rate-per-address", type=float, default=None,
+                        help="bytes/s per client address, both ways (one link per 127.0.0.x)")
     parser.add_argument("--fail-rate", type=float, default=0.0)
     parser.add_argument("--cut-rate", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--log", help="write the request log here (JSON lines) at exit")
     args = parser.parse_args(argv)
+    if not (args.dir or args.upstream):
+        parser.error("give --dir or --upstream")
+    hook = None
+    if args.flavor == "gcs":
+        from remote.stores import gcs_semantics
+        hook = gcs_semantics
     server = RangeServer(latency_s=args.latency, bytes_per_second_per_connection=args.rate,
+                         bytes_per_second_per_address=args.rate_per_address,
                          fail_rate=args.fail_rate, cut_rate=args.cut_rate, seed=args.seed,
-                         lfs_redirect=args.lfs_redirect, port=args.port)
-    server.put_dir(args.dir, args.prefix)
-    info = {"url": f"{server.url}/{args.prefix.strip('/')}", "endpoint": server.url}
+                         lfs_redirect=args.lfs_redirect, port=args.port, upstream=args.upstream,
+                         flavor=args.flavor, upstream_hook=hook)
+    info = {"endpoint": server.url, "url": server.url}
+    if args.dir:
+        server.put_dir(args.dir, args.prefix)
+        info["url"] = f"{server.url}/{args.prefix.strip('/')}"
     if args.hub:
         sha = server.add_hub_repo(args.hub, {rel: path for path, rel in walk_files(args.dir)})
         info.update(hf=f"hf://{args.hub}", hf_sha=sha, HF_ENDPOINT=server.url)

@@ -34,7 +34,11 @@ What the emulators do (moto 5.2.5, gcp-storage-emulator 2026.7.19):
   `If-Match` with another ETag is 412 (XML `PreconditionFailed`); missing
   key or bucket 404 (XML `NoSuchKey` / `NoSuchBucket`). Every response
   carries `Connection: close` (werkzeug), so nothing is kept alive behind
-  the proxy.
+  the proxy. Multipart uploads: parts under 5 MiB but the last are refused
+  at complete (`EntityTooSmall`), as S3 does; every upload is listed as
+  initiated 2010-11-10; a part uploaded after an abort answers 500 (a
+  KeyError; S3 answers 404 `NoSuchUpload`); completing a completed upload
+  answers 200 again.
 - gcp-storage-emulator: a single-threaded HTTP/1.0 server (one request at a
   time, a connection per request). Media download (`/download/storage/v1/
   b/B/o/O?alt=media`, or `/storage/v1/b/B/o/O?alt=media`) honours `bytes=a-b`
@@ -146,6 +150,23 @@ class MotoS3:
                                ExtraArgs=extra)
         return f"s3://{bucket}/{prefix.strip('/')}".rstrip("/")
 
+    def create_bucket(self, bucket: str) -> None:
+        client = self.client()
+        try:
+            client.create_bucket(Bucket=bucket)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+
+    def list_names(self, bucket: str, prefix: str = "") -> list[str]:
+        """Every key under `prefix`, straight from moto (no proxy)."""
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+
+    def list_uploads(self, bucket: str) -> list[tuple[str, str]]:
+        """(key, upload id) of every unfinished multipart upload."""
+        uploads = self.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        return [(u["Key"], u["UploadId"]) for u in uploads]
+
 
 class GcsEmulator:
     """gcp-storage-emulator on 127.0.0.1 (an ephemeral port), in memory."""
@@ -188,6 +209,12 @@ class GcsEmulator:
         query = urllib.parse.urlencode({"uploadType": "media", "name": name})
         return self._call("POST", f"/upload/storage/v1/b/{bucket}/o?{query}", data,
                           {"Content-Type": "application/octet-stream"})
+
+    def list_names(self, bucket: str, prefix: str = "") -> list[str]:
+        """Every object name under `prefix`, straight from the emulator."""
+        query = urllib.parse.urlencode({"prefix": prefix})
+        items = self._call("GET", f"/storage/v1/b/{bucket}/o?{query}").get("items") or []
+        return sorted(item["name"] for item in items)
 
     def upload_dir(self, local_dir: str, bucket: str, prefix: str = "") -> str:
         """Like `MotoS3.upload_dir`; returns `gs://bucket/prefix`."""
@@ -258,6 +285,8 @@ class Remote:
     prefix: str  # the key prefix of the checkpoint's files in `server.log`
     env: dict
     object_url: str  # `object_url.format(key=...)`: the plain HTTP URL of a file
+    bucket: str = ""
+    backend: MotoS3 | GcsEmulator | None = None  # the store behind the proxy
 
     def key(self, filename: str) -> str:
         return self.prefix + filename
@@ -273,6 +302,16 @@ class Remote:
             return self.server.bytes_sent(process=process, key_prefix=self.prefix)
         return self.server.bytes_sent(process=process, key=self.key(filename))
 
+    def bytes_received(self, process: int | None = None, *, parts: bool = False) -> int:
+        """Request body bytes the server read for the checkpoint's objects
+        (uploads; `parts`: part uploads only) in 2xx-answered requests."""
+        return self.server.bytes_received(process, key_prefix=self.prefix, parts=parts)
+
+    def stored_keys(self) -> list[str]:
+        """Every object in the bucket, asked of the store itself (a writer's
+        temporaries and probes too)."""
+        return self.backend.list_names(self.bucket)
+
     def get(self, filename: str, headers: dict | None = None, method: str = "GET"):
         """A plain urllib3 request for one file (SigV4-signed for S3)."""
         url = self.object_url.format(key=urllib.parse.quote(self.key(filename), safe="/"),
@@ -281,6 +320,38 @@ class Remote:
         if self.scheme == "s3":
             headers = sign_s3(method, url, headers)
         return urllib3.PoolManager().request(method, url, headers=headers, retries=False)
+
+
+@contextlib.contextmanager
+def empty_remote(scheme: str, *, s3: MotoS3 | None = None, gcs: GcsEmulator | None = None,
+                 prefix: str = "preset", upstream_hook=None, **options) -> Iterator[Remote]:
+    """A fresh, empty bucket of `scheme` ("s3" or "gs") behind a
+    `RangeServer` proxy made with `options` (faults, caps: e.g.
+    `fault_methods=("PUT", "POST"), fault_parts_only=True, fail_rate=0.2`),
+    as a `Remote` whose `url` (`scheme://bucket/prefix`) is where a save
+    writes; `upstream_hook` runs before GCS's own (`gcs_semantics`)."""
+    bucket = f"khd-{uuid.uuid4().hex[:12]}"
+    prefix = prefix.strip("/")
+    url = f"{scheme}://{bucket}/{prefix}".rstrip("/")
+    key_prefix = f"{prefix}/" if prefix else ""
+    if scheme == "s3":
+        s3.create_bucket(bucket)
+        with RangeServer(upstream=s3.endpoint, flavor="s3", upstream_hook=upstream_hook,
+                         **options) as server:
+            yield Remote("s3", url, url, server, key_prefix, s3_env(server.url),
+                         f"{server.url}/{bucket}/{{key}}", bucket, s3)
+        return
+    if scheme != "gs":
+        raise ValueError(f"Expected scheme 's3' or 'gs'. Received: {scheme!r}")
+
+    def hook(*args):
+        return (upstream_hook and upstream_hook(*args)) or gcs_semantics(*args)
+
+    gcs.create_bucket(bucket)
+    with RangeServer(upstream=gcs.endpoint, flavor="gcs", upstream_hook=hook, **options) as server:
+        yield Remote("gs", url, url, server, key_prefix, gcs_env(server.url),
+                     f"{server.url}/download/storage/v1/b/{bucket}/o/{{quoted_key}}?alt=media",
+                     bucket, gcs)
 
 
 @contextlib.contextmanager

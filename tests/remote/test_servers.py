@@ -202,6 +202,67 @@ def test_a_cut_body_is_short_then_the_connection_closes(range_server):
     assert r.data == DATA[:8192] and range_server.log[-1].client_port != record.client_port
 
 
+def test_uploads_are_logged_and_faulted(range_server):
+    """A request body is counted as read (`bytes_received`, the part number
+    from `X-Khd-Part` or S3's `partNumber`); with `cut_rate` an upload is
+    read in part, then the connection closes unanswered; `fail_status`
+    answers 429 with `Retry-After`; `fault_parts_only` spares the rest."""
+    range_server.fault_methods, range_server.fault_parts_only = ("PUT",), True
+    range_server.cut_rate = 1.0
+    pool = _pool()
+    with pytest.raises(urllib3.exceptions.ProtocolError):
+        pool.request("PUT", range_server.url + "/o", body=DATA * 100,
+                     headers={"X-Khd-Part": "3", "X-Khd-Process": "1"})
+    assert pool.request("PUT", range_server.url + "/o", body=DATA).status == 405  # not a part
+    range_server.cut_rate, range_server.fail_rate = 0.0, 1.0
+    range_server.fail_status, range_server.retry_after = 429, 0.5
+    r = pool.request("PUT", range_server.url + "/o?partNumber=2&uploadId=x", body=DATA)
+    assert r.status == 429 and r.headers["Retry-After"] == "0.5"
+    cut, whole, throttled = range_server.log
+    assert (cut.fault, cut.status, cut.part, cut.process) == ("cut", 0, 3, 1)
+    assert 0 <= cut.bytes_received < SIZE * 100
+    assert (whole.fault, whole.part, whole.bytes_received) == (None, None, SIZE)
+    assert (throttled.fault, throttled.part, throttled.bytes_received) == ("fail", 2, SIZE)
+    assert cut.client_host == "127.0.0.1"
+    assert range_server.bytes_received(errors=True) == cut.bytes_received + 2 * SIZE
+    assert range_server.bytes_received() == 0  # none answered 2xx
+
+
+def test_each_client_address_gets_its_own_capped_link_both_ways(range_server):
+    """`bytes_per_second_per_address`: every source address (127.0.0.x) is
+    paced on its own, downloads and uploads alike, whatever its connections;
+    `traffic` is that address's rate as the server saw it."""
+    rate = 4e6
+    range_server.put("blob", DATA * 100)  # 1 MB
+    range_server.bytes_per_second_per_address = rate
+
+    def client(host):
+        pool = urllib3.PoolManager(retries=False, maxsize=2, source_address=(host, 0))
+        for _ in range(2):  # two connections at once, one link
+            threads = [threading.Thread(target=pool.request, args=("GET", range_server.url + "/blob"))
+                       for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        pool.request("PUT", range_server.url + "/upload", body=DATA * 100)
+
+    hosts = ["127.0.0.5", "127.0.0.6"]
+    threads = [threading.Thread(target=client, args=(h,)) for h in hosts]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    for host in hosts:
+        moved, seconds = range_server.traffic(host)
+        assert 5 * SIZE * 100 <= moved < 5 * SIZE * 100 + 4096  # + the 405 answer
+        assert 0.7 * rate < moved / seconds < 1.1 * rate, (host, moved, seconds)
+        assert {r.client_host for r in range_server.requests(host=host)} == {host}
+    assert elapsed < 1.6 * 5 * SIZE * 100 / rate  # the two links at once, not one after the other
+
+
 def test_status_hook_and_token(range_server):
     range_server.put("open", DATA)
     range_server.put("secret", DATA)
