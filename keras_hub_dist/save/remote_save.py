@@ -92,7 +92,8 @@ from keras_hub_dist.save.saver import (
 from keras_hub_dist.save.write_execute import file_order_slabs, slab_ends
 from keras_hub_dist.save.write_plan import SavePlan, plan_save
 from keras_hub_dist.storage.part_uploads import FileUpload, PartUploads, part_count
-from keras_hub_dist.storage.writers import open_writer
+from keras_hub_dist.storage.ranged_http import RangeClient
+from keras_hub_dist.storage.uploads import open_writer
 
 __all__ = ["LEASE_SECONDS", "SCHEMES", "save_keras_remote"]
 
@@ -124,8 +125,17 @@ def save_keras_remote(
         )
     backbone, task = _backbone_and_task(model)
     _processes.check_all(_model_error(model), SaveError, "Cannot save the model")
+    # Every request says which process sent it (`X-Khd-Process`).
+    with RangeClient(process_index=jax.process_index()) as client:
+        _save(model, url, open_writer(url, client), backbone, task, overwrite, progress,
+              max_shard_size, buffer_fraction)
+
+
+def _save(
+    model: Any, url: str, writer: Any, backbone: Any, task: Any, overwrite: bool,
+    progress: bool | None, max_shard_size: float | None, buffer_fraction: float,
+) -> None:
     first = jax.process_index() == 0
-    writer = open_writer(url)
     found: list[dict[str, Any]] = []
     error = _guard(lambda: found.append(_claim(writer, overwrite))) if first else None
     _processes.check_all(error, SaveError, f"Cannot save to {url!r}")

@@ -34,10 +34,10 @@ def main() -> None:
     from keras_hub_dist.storage import part_uploads
 
     checksums.CHUNK_BYTES = 5 << 20  # several parts of a small model (S3's minimum)
-    from keras_hub_dist.storage import s3_writes
+    from keras_hub_dist.storage import s3_writer
 
     uploaded = []
-    real = s3_writes.S3Writer.upload_part
+    real = s3_writer.S3Writer.upload_part
 
     def counting(self, name, upload_id, number, data):
         if mode == "fail_part" and jax.process_index() == 1 and len(uploaded) == 1:
@@ -46,7 +46,7 @@ def main() -> None:
         uploaded.append((name, number, memoryview(data).nbytes))
         return token
 
-    s3_writes.S3Writer.upload_part = counting
+    s3_writer.S3Writer.upload_part = counting
     combined = []
     real_combine = part_uploads.PartUploads.combine
 
