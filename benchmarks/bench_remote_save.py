@@ -73,6 +73,14 @@ def _s3_client(endpoint: str):
                         aws_access_key_id="testing", aws_secret_access_key="testing")
 
 
+def _empty_bucket(endpoint: str) -> None:
+    client = _s3_client(endpoint)
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket="bench"):
+        keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket="bench", Delete={"Objects": keys})
+
+
 def run_case(args) -> None:
     import resource
 
@@ -187,6 +195,7 @@ def main() -> None:
                 command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
                            "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run)]
                 result = run_capped(command, 0)
+                _empty_bucket(endpoint)  # moto keeps objects in memory
                 results[case].append(result)
                 print(case, repeat, json.dumps({k: v for k, v in result.items() if k != "stderr_tail"}),
                       flush=True)
@@ -198,6 +207,7 @@ def main() -> None:
                 command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
                            "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run), "--memory"]
                 results[f"{case}_mem"] = [run_capped(command, 0)]
+                _empty_bucket(endpoint)
     finally:
         server.stdin.close()
         server.wait(30)

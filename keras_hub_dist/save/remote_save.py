@@ -9,14 +9,17 @@ become:
    (HDF5 metadata, datasets allocated and never filled: sparse) are written
    into a temporary directory in memory (`/dev/shm` where there is one), as
    the local save writes its staging directory; the bytes that are not
-   dataset values (a few KiB of HDF5 metadata) are read back from there;
+   dataset values (a few KiB of HDF5 metadata) are read back from there as
+   each part opens (`_Skeleton`);
 2. **upload** — each weights file is one multipart upload cut into 64 MiB
    parts (`storage.part_uploads`: part `k` is the file's bytes
-   `[(k-1) * 64 MiB, k * 64 MiB)`, exactly one checksum chunk). The saver's
-   positioned writes (`save.write_execute`, unchanged) go into the parts'
-   host buffers; a part is hashed and uploaded as soon as its last byte is
-   written, while the walk goes on. Nothing is gathered: each value's
-   blocks are read from the devices that hold them, one at a time;
+   `[(k-1) * 64 MiB, k * 64 MiB)`, exactly one checksum chunk). The saver
+   writes each value in file order, slab by slab of leading rows
+   (`save.write_execute.file_order_slabs`), into the parts' host buffers;
+   a part is hashed and uploaded as soon as its last byte is written,
+   while the walk goes on, so about `buffer_fraction` of the weights is
+   in host buffers at most. Nothing is gathered: each value's blocks are
+   read from the devices that hold them, a slab at a time;
 3. **publish** — once every part is uploaded the uploads are completed (each
    object appears whole, at once), then the small files, metadata.json
    (with the checksums) and last config.json: a reader finds no preset
@@ -37,7 +40,8 @@ Each abort is named in a `StaleStagingWarning`.
 Several processes (a pod, no shared filesystem): every process lays out
 the same skeleton in its own memory (checked equal across processes),
 process 0 creates the uploads and publishes, and each part is uploaded by
-the process that writes most of its bytes (`save.part_plan`). A part whose
+the only process with bytes in it, or else the least loaded one
+(`save.part_plan`). A part whose
 bytes several processes hold (a value split across processes along an axis
 other than its first: its blocks are strided in the file) is combined on
 its owner first: each process fills a zeroed buffer with its own bytes of
