@@ -123,7 +123,7 @@ def load_sharded_preset(
             byte ranges with each process fetching only its own devices'
             bytes (`"s3://bucket/path"`, `"gs://bucket/path"`,
             `"hf://owner/name[@revision]"`, `"https://host/path"`; see
-            README "Remote checkpoints"); a KerasHub preset name or handle
+            docs/remote.md); a KerasHub preset name or handle
             (`"gemma_7b_en"`, `"kaggle://..."`, downloaded whole by
             KerasHub's downloader); or a keras_hub_dist architecture name
             (`keras_hub_dist.presets.names()`, e.g. `"gemma2_7b"`). Hugging

@@ -61,7 +61,7 @@ def save_sharded_preset(
     Transformers, KerasHub and `load_sharded_preset` read it (tested), and
     so do servers that read Transformers checkpoints (vLLM, SGLang). For the families KerasHub exports (Gemma, Gemma 3, Gemma 4, Llama 3,
     Mistral, Qwen 2, Qwen 3.5, GPT-2) the tensors are those of KerasHub's
-    exporter (where it is right, see the README); Qwen 3, Qwen3-MoE,
+    exporter (where it is right, see docs/save.md); Qwen 3, Qwen3-MoE,
     Mixtral, gpt-oss (unquantized), SmolLM3 and Gemma 2 are written by
     inverting KerasHub's importer. A backbone's untied LM head is written
     too (stock `Backbone.export_to_transformers` leaves it out).
