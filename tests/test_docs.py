@@ -92,6 +92,8 @@ REMOTE = {
     "hf://google/gemma-3-4b-it": "gemma3_hf",
     "https://models.example.com/llama3_8b_en": "llama3",
 }
+# Buckets the examples write into (created empty, the environment set).
+TARGETS = {"s3://my-bucket/gemma_7b_tuned", "s3://my-bucket/tuned/gemma_7b", "gs://my-bucket/gemma2_9b_tuned"}
 _URL = re.compile(r"\b(?:s3|gs|hf|https?)://[A-Za-z0-9._/-]+")
 
 
@@ -238,6 +240,10 @@ class World:
             return
         from remote import hub, servers, stores
 
+        if url in TARGETS:
+            self._target(url)
+            self.served[url] = True
+            return
         if url not in REMOTE:
             raise AssertionError(f"{url}: no stand-in; add it to REMOTE in tests/test_docs.py")
         local = self.checkpoints[REMOTE[url]]
@@ -269,6 +275,27 @@ class World:
             server.put_dir(local, prefix)
             self.rewrites[f"{scheme}://{host}"] = server.url
         self.served[url] = True
+
+    def _target(self, url: str) -> None:
+        """An empty bucket for a save to write into."""
+        from remote import stores
+
+        scheme, rest = url.split("://", 1)
+        bucket = rest.split("/", 1)[0]
+        if scheme == "s3":
+            s3 = self._server("moto", stores.MotoS3)
+            if bucket not in {b["Name"] for b in s3.client().list_buckets().get("Buckets", [])}:
+                s3.client().create_bucket(Bucket=bucket)
+            env = stores.s3_env(s3.endpoint)
+        else:
+            gcs = self._server("gcs", stores.GcsEmulator)
+            gcs.create_bucket(bucket)
+            env = stores.gcs_env(gcs.endpoint)
+        for name, value in env.items():
+            if value is None:
+                self.patch.delenv(name, raising=False)
+            else:
+                self.patch.setenv(name, value)
 
     def _server(self, name, factory):
         if name not in self.servers:

@@ -131,12 +131,12 @@ def save_keras_remote(
     _processes.check_all(_model_error(model), SaveError, "Cannot save the model")
     # Every request says which process sent it (`X-Khd-Process`).
     with RangeClient(process_index=jax.process_index()) as client:
-        _save(model, url, open_writer(url, client), backbone, task, overwrite, progress,
+        _save(url, open_writer(url, client), backbone, task, overwrite, progress,
               max_shard_size, buffer_fraction)
 
 
 def _save(
-    model: Any, url: str, writer: Any, backbone: Any, task: Any, overwrite: bool,
+    url: str, writer: Any, backbone: Any, task: Any, overwrite: bool,
     progress: bool | None, max_shard_size: float | None, buffer_fraction: float,
 ) -> None:
     first = jax.process_index() == 0
