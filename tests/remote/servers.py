@@ -361,8 +361,10 @@ class RangeServer:
         first = self.fault_first_tries if kind == ("cut" if self.cut_rate else "fail") else 0
         if not rate and not first:
             return False
-        value, count = self._draw_counted(kind, method, path, range_header)
-        return value < rate or count <= first
+        value = self._draw(kind, method, path, range_header)  # tests replace `_draw` to force a fault
+        with self._lock:
+            count = self._attempts.get((kind, method, path, range_header), 0)
+        return value < rate or 0 < count <= first
 
     def _key(self, raw_path: str, path: str, query: str = "") -> str | None:
         hub_key = self.hub.key(raw_path)
