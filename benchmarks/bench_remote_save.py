@@ -73,9 +73,22 @@ def _s3_client(endpoint: str):
                         aws_access_key_id="testing", aws_secret_access_key="testing")
 
 
-def _empty_bucket(endpoint: str) -> None:
+def probe(workdir: str, config_name: str) -> str:
+    """The probe preset of `config_name` under `workdir`, written once."""
+    import keras_hub_dist
+
+    os.makedirs(workdir, exist_ok=True)
+    config = CONFIGS[config_name]
+    preset = os.path.join(workdir, f"probe-{config_name}")
+    if not os.path.exists(os.path.join(preset, "config.json")):
+        keras_hub_dist.write_synthetic_preset(preset, config["architecture"], dtype=config["dtype"],
+                                              progress=False, **config["overrides"])
+    return preset
+
+
+def _empty_bucket(endpoint: str, prefix: str = "") -> None:
     client = _s3_client(endpoint)
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket="bench"):
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket="bench", Prefix=prefix):
         keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
         if keys:
             client.delete_objects(Bucket="bench", Delete={"Objects": keys})
@@ -175,14 +188,7 @@ def main() -> None:
     if args.case:
         return run_case(args)
 
-    import keras_hub_dist
-
-    os.makedirs(args.workdir, exist_ok=True)
-    config = CONFIGS[args.config]
-    preset = os.path.join(args.workdir, f"probe-{args.config}")
-    if not os.path.exists(os.path.join(preset, "config.json")):
-        keras_hub_dist.write_synthetic_preset(preset, config["architecture"], dtype=config["dtype"],
-                                              progress=False, **config["overrides"])
+    preset = probe(args.workdir, args.config)
     server = subprocess.Popen([sys.executable, __file__, "--serve"], env=_env(), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     endpoint = server.stdout.readline().strip()

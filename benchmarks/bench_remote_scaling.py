@@ -40,7 +40,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path[:0] = [BENCH, REPO, os.path.join(REPO, "tests")]
 from bench_load import RESULT_TAG, _env  # noqa: E402
-from bench_remote_save import CONFIGS, _s3_client  # noqa: E402
+from bench_remote_save import CONFIGS, _empty_bucket, _s3_client, probe  # noqa: E402
 
 
 def _free_port() -> int:
@@ -115,14 +115,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    import keras_hub_dist
-
-    os.makedirs(args.workdir, exist_ok=True)
-    config = CONFIGS[args.config]
-    preset = os.path.join(args.workdir, f"probe-{args.config}")
-    if not os.path.exists(os.path.join(preset, "config.json")):
-        keras_hub_dist.write_synthetic_preset(preset, config["architecture"], dtype=config["dtype"],
-                                              progress=False, **config["overrides"])
+    preset = probe(args.workdir, args.config)
     moto = subprocess.Popen([sys.executable, os.path.join(BENCH, "bench_remote_save.py"), "--serve"],
                             env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     upstream = moto.stdout.readline().strip()
@@ -143,10 +136,7 @@ def main() -> None:
                 run += 1
                 walls.setdefault(case, []).append(run_job(args, case, nproc, endpoint, preset, run))
                 print(case, f"{walls[case][-1]:.2f} s", flush=True)
-                for page in client.get_paginator("list_objects_v2").paginate(Bucket="bench", Prefix=case):
-                    keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
-                    if keys:
-                        client.delete_objects(Bucket="bench", Delete={"Objects": keys})
+                _empty_bucket(upstream, prefix=case)  # moto keeps objects in memory
     finally:
         proxy.terminate()
         proxy.wait(30)

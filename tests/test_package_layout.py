@@ -60,6 +60,17 @@ def _is_module(dotted):
     return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
 
 
+def _from_module(name, node, is_package):
+    """The module a `from ... import` node of module `name` names, a relative
+    one resolved against `name`'s package."""
+    module = node.module or ""
+    if not node.level:
+        return module
+    package = name.split(".") if is_package else name.split(".")[:-1]
+    package = package[: len(package) - (node.level - 1)]
+    return ".".join(package + ([module] if module else []))
+
+
 def _imports_in(name, source, is_package=False):
     """Modules of this package that `source` (module `name`) imports, in any
     form: every `import` / `from` node of the tree, wherever it is."""
@@ -68,11 +79,7 @@ def _imports_in(name, source, is_package=False):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "keras_hub_dist")
         elif isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level:  # relative: resolve against this module's package
-                package = name.split(".") if is_package else name.split(".")[:-1]
-                package = package[: len(package) - (node.level - 1)]
-                module = ".".join(package + ([module] if module else []))
+            module = _from_module(name, node, is_package)
             if module.split(".")[0] != "keras_hub_dist":
                 continue
             for alias in node.names:
@@ -138,11 +145,7 @@ def _private_uses(name, source, is_package=False):
                 if alias.name.split(".")[0] == "keras_hub_dist":
                     modules[alias.asname or alias.name] = alias.name
         elif isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level:
-                package = name.split(".") if is_package else name.split(".")[:-1]
-                package = package[: len(package) - (node.level - 1)]
-                module = ".".join(package + ([module] if module else []))
+            module = _from_module(name, node, is_package)
             if module.split(".")[0] != "keras_hub_dist":
                 continue
             for alias in node.names:
