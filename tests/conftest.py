@@ -17,6 +17,23 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+# XLA's compiled programs, kept on disk and shared by the xdist workers and by
+# the next run: about half of the suite's time is compiling, and the same
+# programs recur (stock's eager ops, the samplers, the forward passes of the
+# same tiny configs in many files). An entry is the executable XLA compiled
+# for exactly that program and those options (JAX's own key), so results are
+# the same bits. A size limit turns on JAX's file lock, so one worker never
+# reads an entry the other is writing. JAX_COMPILATION_CACHE_DIR overrides
+# the place, JAX_ENABLE_COMPILATION_CACHE=false turns it off; this
+# configuration reaches no subprocess.
+COMPILATION_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax-tests"
+)
+jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax.config.update("jax_compilation_cache_max_size", 4 << 30)
+
 MESH_SHAPES = [(1, 8), (2, 4), (8, 1)]
 # The expert banks of the MoE families (Mixtral / Qwen3-MoE / Qwen 3.5 MoE,
 # gpt-oss, Gemma 4 MoE): never to be replicated whole.
