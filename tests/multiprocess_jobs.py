@@ -1,8 +1,10 @@
 """Runs a `jax.distributed` job of several local processes (loopback, gloo),
 for the multi-process load and save tests."""
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -84,6 +86,44 @@ def run_job(worker, num_processes, local_devices, args, out_dir):
         json.loads((out_dir / f"process_{i}.json").read_text())
         for i in range(num_processes)
     ]
+
+
+def digest(folder):
+    """`{file name: sha256}` of a folder's files."""
+    return {
+        name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        for name in sorted(os.listdir(folder))
+    }
+
+
+def run_save_jobs(worker, preset, root, jobs, save_format="keras", existing=()):
+    """Runs each job `{mesh: [mode, ...]}` of the save worker
+    (tests/save/multiprocess_save_worker.py): 2 processes x 4 devices load
+    `preset` on `mesh` once, then save into `root/<mesh>_<mode>/saved` in
+    order (each process starts Python, JAX, Keras and KerasHub once per job,
+    not once per save). The saves whose mode is in `existing` overwrite a
+    copy of `preset`. Returns `{(mesh, mode): (parent, reports, digest
+    before)}`, per process its `held` blocks with that save's `writes`,
+    `fsynced` and `error`."""
+    out = {}
+    for mesh, saves in jobs.items():
+        spec = []
+        for mode in saves:
+            parent = root / f"{mesh}_{mode}"
+            parent.mkdir()
+            target = parent / "saved"
+            before = None
+            if mode in existing:
+                shutil.copytree(preset, target)  # an existing preset, to be overwritten
+                before = digest(target)
+            spec.append({"target": str(target), "mode": mode, "format": save_format})
+            out[mesh, mode] = [parent, None, before]
+        reports_dir = root / f"{mesh}_reports"
+        reports_dir.mkdir()
+        reports = run_job(worker, 2, 4, [preset, mesh, reports_dir, json.dumps(spec)], reports_dir)
+        for mode in saves:
+            out[mesh, mode][1] = [{"held": r["held"], **r["saves"][mode]} for r in reports]
+    return {key: tuple(value) for key, value in out.items()}
 
 
 def merge_ranges(intervals):

@@ -1,23 +1,27 @@
-"""One process of a multi-process save (driven by tests/save/test_save_multiprocess.py).
+"""One process of a multi-process save (driven by tests/save/test_save_multiprocess.py
+and tests/save/test_hf_export_multiprocess.py).
 
 Usage: python multiprocess_save_worker.py PROCESS_ID NUM_PROCESSES PORT
-           LOCAL_DEVICES PRESET_DIR MESH TARGET OUT_DIR MODE [FORMAT]
+           LOCAL_DEVICES PRESET_DIR MESH OUT_DIR SAVES_JSON
 
 Joins a `jax.distributed` job on 127.0.0.1:PORT with LOCAL_DEVICES simulated
-CPU devices (gloo), loads PRESET_DIR sharded over MESH ("BxM"), then calls
-`save_sharded_preset(model, TARGET, overwrite=True, format=FORMAT)` (default
-"keras"; "huggingface", in 100KB shards, for
-tests/save/test_hf_export_multiprocess.py),
-recording every byte range this process writes. MODE:
+CPU devices (gloo), loads PRESET_DIR sharded over MESH ("BxM"), then runs
+each save of SAVES_JSON in order, a list of `{"target", "mode",
+"format"}` (one save per mode): `save_sharded_preset(model, target, overwrite=True,
+format=format)` ("keras", or "huggingface" in 100KB shards), recording every
+byte range this process writes. One job runs several saves of one loaded
+model (each process starts Python, JAX, Keras and KerasHub once, ~10 s),
+failures after the plain saves. `mode`:
 
 - `ok`: a plain save;
 - `durable`: a save with `durable=True`, recording every path it fsyncs;
 - `fail_write`: process 1's second positioned write raises `OSError`;
-- `different_target`: process 1 passes TARGET + "_other".
+- `different_target`: process 1 passes `target` + "_other".
 
-Writes `OUT_DIR/process_<id>.json` (the writes, the paths fsynced, the
-blocks its devices hold, and the error raised, if any). Exits with 77 when the platform cannot run a
-multi-process JAX job.
+Writes `OUT_DIR/process_<id>.json`: the blocks its devices hold (`held`)
+and, per save mode, the writes, the paths fsynced and the error raised, if
+any (`saves`). Exits with 77 when the platform cannot run a multi-process
+JAX job.
 """
 
 import json
@@ -29,18 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from tests.multiprocess_jobs import join_job  # noqa: E402
 
 
-def main() -> None:
-    process_id, num_processes, port, local_devices = map(int, sys.argv[1:5])
-    preset, mesh_arg, target, out_dir, mode = sys.argv[5:10]
-    save_format = sys.argv[10] if len(sys.argv) > 10 else "keras"
-    join_job(process_id, num_processes, port, local_devices)
-    import jax
-
-    import keras_hub_dist
-
-    batch, model_axis = (int(x) for x in mesh_arg.split("x"))
-    backbone = keras_hub_dist.load_sharded_preset(preset, mesh=(batch, model_axis), progress=False)
-
+def _save(keras_hub_dist, backbone, process_id, target, mode, save_format):
     writes: list[tuple[str, int, int]] = []
     original_pwritev = os.pwritev
 
@@ -72,6 +65,24 @@ def main() -> None:
         error = f"{type(e).__name__}: {e}"
     finally:
         os.pwritev, os.fsync = original_pwritev, original_fsync
+    return {"writes": writes, "fsynced": fsynced, "error": error}
+
+
+def main() -> None:
+    process_id, num_processes, port, local_devices = map(int, sys.argv[1:5])
+    preset, mesh_arg, out_dir, saves = sys.argv[5:9]
+    join_job(process_id, num_processes, port, local_devices)
+    import jax
+
+    import keras_hub_dist
+
+    batch, model_axis = (int(x) for x in mesh_arg.split("x"))
+    backbone = keras_hub_dist.load_sharded_preset(preset, mesh=(batch, model_axis), progress=False)
+    reports = {
+        save["mode"]: _save(keras_hub_dist, backbone, process_id, save["target"],
+                            save["mode"], save.get("format", "keras"))
+        for save in json.loads(saves)
+    }
 
     held = {}
     for variable in backbone.weights:
@@ -86,7 +97,7 @@ def main() -> None:
             }
         )
     with open(os.path.join(out_dir, f"process_{process_id}.json"), "w") as handle:
-        json.dump({"writes": writes, "fsynced": fsynced, "held": held, "error": error}, handle)
+        json.dump({"held": held, "saves": reports}, handle)
     jax.distributed.shutdown()
 
 

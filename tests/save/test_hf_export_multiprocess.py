@@ -11,7 +11,6 @@ for byte. A write failure on one process publishes nothing on either.
 
 import os
 import pathlib
-import shutil
 import sys
 
 import keras
@@ -22,7 +21,7 @@ import pytest
 import keras_hub_dist
 from tests.formats.hf import moe
 from tests.formats.hf.writer import write_hf_checkpoint
-from tests.multiprocess_jobs import merge_ranges, run_job
+from tests.multiprocess_jobs import digest, merge_ranges, run_save_jobs
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_save_worker.py")
 STRIDE = 100_000  # ids of variable k: STRIDE * k + element index
@@ -50,19 +49,31 @@ def id_checkpoint(tmp_path_factory):
     return root, [(v.path, tuple(v.shape)) for v in backbone.weights]
 
 
+@pytest.fixture(scope="module")
+def job(id_checkpoint, tmp_path_factory):
+    """One job on 1 x 8 (the model axis spans both processes, so each holds
+    half of every sharded weight and all of the replicated ones): a plain
+    export, then one whose write fails on process 1, over an existing export."""
+    root, _ = id_checkpoint
+    return run_save_jobs(WORKER, root / "ids", tmp_path_factory.mktemp("mp_export_jobs"),
+                         {"1x8": ["ok", "fail_write"]}, save_format="huggingface",
+                         existing=("fail_write",))
+
+
 def _data_start(path):
     """Where a safetensors file's tensor data starts (after its header)."""
     with open(path, "rb") as f:
         return 8 + int.from_bytes(f.read(8), "little")
 
 
-def test_each_process_writes_only_its_elements_once(id_checkpoint, tmp_path):
+def test_each_process_writes_only_its_elements_once(id_checkpoint, job):
     """Mesh 1 x 8: the model axis spans both processes, so each holds half
     of every sharded weight (and all of the replicated ones)."""
     root, variables = id_checkpoint
-    target = tmp_path / "exported"
-    reports = run_job(WORKER, 2, 4, [root / "ids", "1x8", target, tmp_path, "ok", "huggingface"], tmp_path)
+    parent, reports, _ = job["1x8", "ok"]
+    target = parent / "saved"
     assert [r["error"] for r in reports] == [None, None]
+    assert os.listdir(parent) == ["saved"]  # no staging left beside it
     files = sorted(n for n in os.listdir(target) if n.endswith(".safetensors"))
     # Byte-identical to the single-process export: the source itself was
     # exported by one process, with the shard size the worker passes.
@@ -106,15 +117,10 @@ def test_each_process_writes_only_its_elements_once(id_checkpoint, tmp_path):
         assert sum(e - s for s, e in by_file[name]) == sizes[name] - starts[name]  # ...exactly once
 
 
-def test_a_write_failure_on_one_process_publishes_nothing(id_checkpoint, tmp_path):
-    root, _ = id_checkpoint
-    target = tmp_path / "exported"
-    shutil.copytree(root / "ids", target)  # an existing export, to be replaced
-    before = {n: (target / n).read_bytes() for n in os.listdir(target)}
-    out = tmp_path / "reports"
-    out.mkdir()
-    reports = run_job(WORKER, 2, 4, [root / "ids", "1x8", target, out, "fail_write", "huggingface"], out)
+def test_a_write_failure_on_one_process_publishes_nothing(job):
+    parent, reports, before = job["1x8", "fail_write"]  # over a copy of the export
+    target = parent / "saved"
     errors = [r["error"] for r in reports]
     assert all(e and e.startswith("SaveError") and "injected by the test" in e for e in errors), errors
-    assert {n: (target / n).read_bytes() for n in os.listdir(target)} == before
-    assert sorted(os.listdir(tmp_path)) == ["exported", "reports"]  # no staging left
+    assert digest(target) == before
+    assert os.listdir(parent) == ["saved"]  # no staging left

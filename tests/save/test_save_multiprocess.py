@@ -8,10 +8,8 @@ target untouched. With `durable=True` each process flushes the file it
 wrote, process 0 everything else.
 """
 
-import hashlib
 import os
 import pathlib
-import shutil
 import sys
 
 import keras
@@ -21,7 +19,7 @@ import pytest
 
 import keras_hub_dist
 from keras_hub_dist.formats.keras_h5 import build_index
-from tests.multiprocess_jobs import block_byte_ranges, merge_ranges, run_job
+from tests.multiprocess_jobs import block_byte_ranges, digest, merge_ranges, run_save_jobs
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_save_worker.py")
 
@@ -42,11 +40,19 @@ def tiny_preset(tmp_path_factory):
     return str(path)
 
 
-def _digest(folder):
-    return {
-        name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
-        for name in sorted(os.listdir(folder))
-    }
+# The saves of this file, in two jobs (one per mesh): each process starts
+# Python, JAX, Keras and KerasHub once per job, not once per save. The plain
+# save comes first, the failures after it.
+JOBS = {
+    "1x8": ["ok", "fail_write", "different_target"],
+    "2x4": ["ok", "durable"],
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tiny_preset, tmp_path_factory):
+    return run_save_jobs(WORKER, tiny_preset, tmp_path_factory.mktemp("mp_save_jobs"), JOBS,
+                         existing=("fail_write", "different_target"))
 
 
 def _assert_same_weights(a, b):
@@ -56,11 +62,11 @@ def _assert_same_weights(a, b):
 
 
 @pytest.mark.parametrize("mesh", ["1x8", "2x4"])
-def test_each_process_writes_only_its_blocks(tiny_preset, tmp_path, mesh):
-    target = tmp_path / "saved"
-    reports = run_job(WORKER, 2, 4, [tiny_preset, mesh, target, tmp_path, "ok"], tmp_path)
+def test_each_process_writes_only_its_blocks(tiny_preset, jobs, mesh):
+    parent, reports, _ = jobs[mesh, "ok"]
+    target = parent / "saved"
     assert [r["error"] for r in reports] == [None, None]
-    assert sorted(os.listdir(tmp_path)) == ["process_0.json", "process_1.json", "saved"]
+    assert os.listdir(parent) == ["saved"]  # no staging left beside it
 
     saved = keras_hub.models.Backbone.from_preset(str(target))
     _assert_same_weights(keras_hub.models.Backbone.from_preset(tiny_preset), saved)
@@ -98,26 +104,22 @@ def test_each_process_writes_only_its_blocks(tiny_preset, tmp_path, mesh):
 
 
 @pytest.mark.parametrize("mode", ["fail_write", "different_target"])
-def test_a_failure_on_one_process_leaves_the_target_untouched(tiny_preset, tmp_path, mode):
-    target = tmp_path / "saved"
-    shutil.copytree(tiny_preset, target)  # an existing preset, to be overwritten
-    before = _digest(target)
-    out_dir = tmp_path / "reports"
-    out_dir.mkdir()
-    reports = run_job(WORKER, 2, 4, [tiny_preset, "1x8", target, out_dir, mode], out_dir)
+def test_a_failure_on_one_process_leaves_the_target_untouched(jobs, mode):
+    parent, reports, before = jobs["1x8", mode]
+    target = parent / "saved"
     errors = [r["error"] for r in reports]
     assert all(e and e.startswith("SaveError") for e in errors), errors
     if mode == "fail_write":
         assert all("process 1" in e and "injected by the test" in e for e in errors), errors
     else:
         assert all("same preset_dir" in e and "_other" in e for e in errors), errors
-    assert _digest(target) == before
-    assert sorted(os.listdir(tmp_path)) == ["reports", "saved"]  # no staging left
+    assert digest(target) == before
+    assert os.listdir(parent) == ["saved"]  # no staging left, no "saved_other"
 
 
-def test_durable_each_process_flushes_what_it_wrote(tiny_preset, tmp_path):
-    target = tmp_path / "saved"
-    reports = run_job(WORKER, 2, 4, [tiny_preset, "2x4", target, tmp_path, "durable"], tmp_path)
+def test_durable_each_process_flushes_what_it_wrote(tiny_preset, jobs):
+    parent, reports, _ = jobs["2x4", "durable"]
+    target = parent / "saved"
     assert [r["error"] for r in reports] == [None, None]
     assert all(r["writes"] for r in reports)  # both wrote blocks of the weights
     (staging,) = {os.path.dirname(p) for p in reports[1]["fsynced"]}
@@ -126,7 +128,7 @@ def test_durable_each_process_flushes_what_it_wrote(tiny_preset, tmp_path):
     assert set(reports[1]["fsynced"]) == {os.path.join(staging, "model.weights.h5")}
     # Process 0: every file and directory of the preset, the parent around the rename.
     flushed = set(reports[0]["fsynced"])
-    assert {os.path.join(staging, n) for n in os.listdir(target)} | {staging, str(tmp_path)} <= flushed
+    assert {os.path.join(staging, n) for n in os.listdir(target)} | {staging, str(parent)} <= flushed
     keras.distribution.set_distribution(None)
     _assert_same_weights(keras_hub.models.Backbone.from_preset(tiny_preset),
                          keras_hub_dist.load_sharded_preset(str(target), mesh=(1, 8), verify=True,
