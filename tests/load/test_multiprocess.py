@@ -9,6 +9,7 @@ a jitted forward pass gives the single-process logits.
 """
 
 import hashlib
+import json
 import os
 import pathlib
 import sys
@@ -67,8 +68,51 @@ def _check_quantized(reports, reference, file_bytes, split_over_processes):
     assert set(seen) == set(reference)
 
 
-def _run_job(preset, num_processes, local_devices, mesh, out_dir):
-    return run_job(WORKER, num_processes, local_devices, [preset, mesh, out_dir], out_dir)
+@pytest.fixture(scope="module")
+def hf_preset(tmp_path_factory):
+    """A Hugging Face Llama checkpoint in 2 shards, and its tensors."""
+    from tests.formats.hf import dense
+    from tests.formats.hf.writer import write_hf_checkpoint
+
+    config, tensors = dense.hf_checkpoint("llama", tied=False, dtype="float32", seed=4)
+    config["vocab_size"] = 256
+    rng = np.random.default_rng(4)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = rng.standard_normal((256, 64), dtype=np.float32) * 0.5
+    path = tmp_path_factory.mktemp("mp_hf") / "hf_llama"
+    return write_hf_checkpoint(str(path), config, tensors, num_shards=2), tensors
+
+
+# The jobs: (processes, local devices, mesh) -> whether the Hugging Face
+# checkpoint is loaded too, after the KerasHub preset (None: not loaded;
+# True: with every kernel transposed on the devices, as large ones are).
+# One job per row: each process starts Python, JAX, Keras and KerasHub once.
+JOBS = {(2, 4, "1x8"): False, (2, 4, "2x4"): True, (4, 2, "1x8"): None}
+
+
+@pytest.fixture(scope="module")
+def jobs(tiny_preset, hf_preset, tmp_path_factory):
+    """Runs a job of `JOBS` on first use: `jobs(num_processes,
+    local_devices, mesh)` -> `(out_dir, {load name: reports})`."""
+    done = {}
+
+    def run(num_processes, local_devices, mesh):
+        key = (num_processes, local_devices, mesh)
+        if key not in done:
+            loads = [{"name": "keras", "preset": tiny_preset, "extras": True}]
+            if JOBS[key] is not None:
+                loads.append({"name": "huggingface", "preset": hf_preset[0],
+                              "device_transpose_min_bytes": 0 if JOBS[key] else None})
+            out_dir = tmp_path_factory.mktemp(f"mp_{num_processes}_{mesh}")
+            reports = run_job(WORKER, num_processes, local_devices,
+                              [mesh, out_dir, json.dumps(loads)], out_dir)
+            done[key] = out_dir, {
+                load["name"]: [{**r, **r["loads"][load["name"]]} for r in reports]
+                for load in loads
+            }
+        return done[key]
+
+    return run
 
 
 def _reference_logits(preset, mesh):
@@ -85,9 +129,10 @@ def _reference_logits(preset, mesh):
     [(2, 4, "1x8"), (2, 4, "2x4"), (4, 2, "1x8")],
 )
 def test_each_process_reads_only_its_shards(
-    tiny_preset, stock_int8, tmp_path, num_processes, local_devices, mesh
+    tiny_preset, stock_int8, jobs, num_processes, local_devices, mesh
 ):
-    reports = _run_job(tiny_preset, num_processes, local_devices, mesh, tmp_path)
+    out_dir, reports = jobs(num_processes, local_devices, mesh)
+    reports = reports["keras"]
     index = {e.path: e.source.dataset for e in build_index(
         keras_hub.models.Backbone.from_preset(tiny_preset),
         os.path.join(tiny_preset, "model.weights.h5"),
@@ -127,7 +172,7 @@ def test_each_process_reads_only_its_shards(
 
     reference = _reference_logits(tiny_preset, mesh)
     for process_id in range(num_processes):
-        logits = np.load(tmp_path / f"logits_{process_id}.npy")
+        logits = np.load(out_dir / f"logits_keras_{process_id}.npy")
         np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)
 
     # Distributed initializer: each process drew its blocks of the one table,
@@ -149,27 +194,17 @@ def test_each_process_reads_only_its_shards(
 
 @pytest.mark.parametrize("mesh,device_transposes", [("1x8", False), ("2x4", True)])
 def test_hugging_face_checkpoint_each_process_reads_only_its_share(
-    tmp_path, monkeypatch, mesh, device_transposes
+    hf_preset, jobs, mesh, device_transposes
 ):
     """The same guarantees for a Hugging Face checkpoint: each process reads
     only bytes of the blocks its devices hold (transposed kernels included),
     the job every byte once, and the model computes the single-process
     logits. On 2x4 every block is held on both processes (exchanged), and
     every kernel is transposed on the devices, as large ones are."""
-    if device_transposes:
-        monkeypatch.setenv("KHD_DEVICE_TRANSPOSE_MIN_BYTES", "0")
-    from tests.formats.hf import dense
-    from tests.formats.hf.writer import write_hf_checkpoint
-
-    config, tensors = dense.hf_checkpoint("llama", tied=False, dtype="float32", seed=4)
-    config["vocab_size"] = 256
-    rng = np.random.default_rng(4)
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        tensors[name] = rng.standard_normal((256, 64), dtype=np.float32) * 0.5
-    preset = write_hf_checkpoint(str(tmp_path / "hf_llama"), config, tensors, num_shards=2)
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    reports = _run_job(preset, 2, 4, mesh, out_dir)
+    assert JOBS[2, 4, mesh] is device_transposes
+    preset, tensors = hf_preset
+    out_dir, reports = jobs(2, 4, mesh)
+    reports = reports["huggingface"]
     file_bytes = sum(t.nbytes for t in tensors.values())
     header_bytes = 0
     for name in os.listdir(preset):
@@ -192,5 +227,5 @@ def test_hugging_face_checkpoint_each_process_reads_only_its_share(
     assert total == file_bytes  # every byte once over the job, norms included
     reference = _reference_logits(preset, mesh)
     for process_id in range(2):
-        logits = np.load(out_dir / f"logits_{process_id}.npy")
+        logits = np.load(out_dir / f"logits_huggingface_{process_id}.npy")
         np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)
