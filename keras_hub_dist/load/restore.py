@@ -55,7 +55,13 @@ from keras_hub_dist import _compat, _processes
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.errors import CheckpointError
 from keras_hub_dist.load import orbax_checkpoint
-from keras_hub_dist.load.restore_plan import RestorePlan, Wanted, group_reads, plan_restore
+from keras_hub_dist.load.restore_plan import (
+    OPTIMIZER_SECTION,
+    RestorePlan,
+    Wanted,
+    group_reads,
+    plan_restore,
+)
 from keras_hub_dist.storage import host_io
 
 __all__ = ["GROUP_BYTES", "restore_checkpoint"]
@@ -87,8 +93,9 @@ def restore_checkpoint(
     Every process of a `jax.distributed` job must call it, with the same
     arguments. The model must hold values (built by `load_sharded_preset`, a
     factory, or by hand); compile it first to restore the optimizer too (an
-    optimizer never built, as after `compile`, is built here). A model
-    without an optimizer gets its weights only. Metric states are not
+    optimizer never built, as after `compile`, is built here). A checkpoint
+    saved with `save_weights_only=True` restores the weights of a model
+    whose optimizer has no state yet (or that has none). Metric states are not
     restored (`fit` resets them every epoch). Arrays the variables held
     before are deleted, not just dropped: references kept to them elsewhere
     become unusable.
@@ -138,7 +145,7 @@ def restore_checkpoint(
         if not built:
             with _compat.creating_variables_without_values() as pending:
                 optimizer.build(model.trainable_variables)
-        restored = variables + (list(optimizer.variables) if optimizer is not None else [])
+        restored = variables + (list(optimizer.variables) if len(plan.paths) > len(variables) else [])
         try:
             if [v.path for v in restored] != list(plan.paths):
                 raise RuntimeError(
@@ -265,7 +272,10 @@ def _validate(
     try:
         stored = orbax_checkpoint.stored_arrays(step_dir)
         optimizer_wanted = None
-        if optimizer is not None:
+        saved_optimizer = any(s.key[0] == OPTIMIZER_SECTION for s in stored)
+        # A weights-only checkpoint restores into a model whose optimizer
+        # has no state yet (compiled, never fitted); it stays unbuilt.
+        if optimizer is not None and (optimizer.built or saved_optimizer):
             optimizer_wanted, built = _optimizer_wanted(model, optimizer)
         plan = plan_restore(
             [_wanted(v) for v in variables], optimizer_wanted, stored,

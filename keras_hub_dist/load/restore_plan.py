@@ -277,7 +277,8 @@ def plan_restore(
                 f"Expected optimizer state in {label} step {step}: the model is "
                 f"compiled with {optimizer_name}. Received: a checkpoint without "
                 "optimizer variables (saved with save_weights_only=True?). "
-                "Restore it before `compile` (weights only), then compile."
+                "Its weights restore into a model whose optimizer has no state "
+                "yet (compiled, not fitted)."
             )
         keys += _check_match(
             optimizer, saved_optimizer, f"variables of {optimizer_name}", label, step,
