@@ -17,10 +17,10 @@ only then assigns it: every device peaks at twice its final bytes
    moment under 250 MB whole on one device, then reshard it);
 3. group by group (at most `GROUP_BYTES` read per process): deletes the
    group's current arrays, then has Orbax read the group straight into the
-   same shardings (for an optimizer variable without a value, the layout
-   Keras would give it) (`orbax_checkpoint.read_arrays`: each process
-   reads only its own devices' blocks, each block once) and gives each
-   variable its new array (`assign`, which keeps an array already in the
+   same shardings, or for an optimizer variable without a value the layout
+   Keras would give it (`orbax_checkpoint.read_arrays`: each process reads
+   only its own devices' blocks, each block once), and gives each variable
+   its new array (`assign`, which keeps an array already in the
    variable's layout as it is). A device therefore never holds more than
    its final bytes: the old value of a variable is gone before its new one
    arrives.
@@ -68,7 +68,7 @@ __all__ = ["GROUP_BYTES", "restore_checkpoint"]
 
 # The most bytes one group of variables reads on any one process: the host
 # buffers Orbax fills before placing them (per process, at a time).
-GROUP_BYTES = 1 << 30
+GROUP_BYTES = 256 << 20
 
 
 def restore_checkpoint(
