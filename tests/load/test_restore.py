@@ -332,3 +332,24 @@ def test_prints_nothing(presets, trained, capfd):
     restore_checkpoint(lm, directory)
     out, err = capfd.readouterr()
     assert out == "" and err == ""
+
+
+def test_loss_scale_state(presets, tmp_path):
+    """A LossScaleOptimizer's own state (scale, step counter) beside its
+    inner Adam's, restored into a fresh model on another mesh."""
+
+    def loss_scaled():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2.0**8)
+
+    keras.distribution.set_distribution(None)
+    lm = _lm(presets["tiny"], (1, 8), optimizer=loss_scaled)
+    directory = str(tmp_path / "loss_scaled")
+    lm.fit(*NEXT, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[
+        keras.callbacks.OrbaxCheckpoint(directory, save_freq=1, save_on_background=False)
+    ])
+    saved = _state(lm)
+    assert any("step_counter" in k for k in saved) and any("velocity" in k for k in saved)
+    keras.distribution.set_distribution(None)
+    restored = _lm(presets["tiny"], (2, 4), optimizer=loss_scaled)
+    restore_checkpoint(restored, directory)
+    _assert_equal(_state(restored), saved)
