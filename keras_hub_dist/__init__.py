@@ -8,6 +8,10 @@ import keras_hub_dist
 
 model = keras_hub_dist.load_sharded_preset("gemma_7b_en", mesh=(1, 8))
 keras_hub_dist.save_sharded_preset(model, "./my_gemma")  # from every process
+
+# Resume training from a keras.callbacks.OrbaxCheckpoint directory.
+model.compile(optimizer=keras.optimizers.Adam(5e-5))
+keras_hub_dist.restore_checkpoint(model, "./ckpt")
 ```
 """
 
@@ -39,6 +43,7 @@ from keras_hub_dist.init.factories import qwen3_5_moe_backbone  # noqa: E402
 from keras_hub_dist.init.factories import qwen3_backbone  # noqa: E402
 from keras_hub_dist.init.factories import qwen3_moe_backbone  # noqa: E402
 from keras_hub_dist.init.factories import qwen_backbone  # noqa: E402
+from keras_hub_dist.errors import CheckpointError  # noqa: E402
 from keras_hub_dist.errors import KerasHubDistWarning  # noqa: E402
 from keras_hub_dist.errors import LayoutError  # noqa: E402
 from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
@@ -64,6 +69,7 @@ from keras_hub_dist.plan.layouts import get_layout_map  # noqa: E402
 from keras_hub_dist.plan.quantized_layouts import QuantizationAwareModelParallel  # noqa: E402
 from keras_hub_dist.load.loader import LoadReport  # noqa: E402
 from keras_hub_dist.load.loader import load_sharded_preset  # noqa: E402
+from keras_hub_dist.load.restore import restore_checkpoint  # noqa: E402
 from keras_hub_dist.save.api import save_sharded_preset  # noqa: E402
 from keras_hub_dist.validate.convert import convert_checkpoint  # noqa: E402
 from keras_hub_dist.measure.memory import MemorySampler  # noqa: E402
@@ -75,6 +81,7 @@ from keras_hub_dist.formats.synthetic_hf import write_synthetic_hf_checkpoint  #
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "DistributedGlorotNormal",
     "DistributedGlorotUniform",
     "DistributedHeNormal",
@@ -121,6 +128,7 @@ __all__ = [
     "qwen3_moe_backbone",
     "qwen_backbone",
     "registry",
+    "restore_checkpoint",
     "save_sharded_preset",
     "write_synthetic_hf_checkpoint",
     "write_synthetic_preset",

@@ -38,6 +38,7 @@ __all__ = [
     "KERAS_VERSION",
     "materialize_deferred_variable",
     "pending_initializer",
+    "pending_layout",
     "preset_file",
     "preset_has_file",
     "preset_file_names",
@@ -391,6 +392,18 @@ def variable_array(variable: Any) -> Any:
     """The array a variable holds (`None` while deferred), without reading it
     through `.value` (which would run the initializer of a deferred one)."""
     return getattr(variable, "_value", None)
+
+
+def pending_layout(variable: Any) -> Any:
+    """The layout Keras gives a variable created without a value when it
+    initializes it: its own (`layout=` at creation; an optimizer's variable
+    takes its model variable's), else the active distribution's, else None
+    (the default device)."""
+    layout = getattr(variable, "_layout", None)
+    distribution = keras.distribution.distribution()
+    if layout is None and distribution is not None:
+        layout = distribution.get_variable_layout(variable)
+    return layout
 
 
 def materialize_deferred_variable(variable: Any, value: Any, layout: Any) -> None:

@@ -103,3 +103,14 @@ class QuantizationError(ValueError):
 
 
 __all__.append("QuantizationError")
+
+
+class CheckpointError(ValueError):
+    """A training checkpoint cannot be restored as asked: the directory is
+    not one `keras.callbacks.OrbaxCheckpoint` wrote, the step does not
+    exist, or the checkpoint holds another model or another optimizer's
+    state. Raised before any variable changes; the model is left as it
+    was."""
+
+
+__all__.append("CheckpointError")
