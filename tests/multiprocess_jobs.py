@@ -4,6 +4,7 @@ for the multi-process load and save tests."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,10 +19,23 @@ TIME_LIMIT_S = 240
 UNSUPPORTED = 77
 
 
+_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S+")
+
+
+def child_env(**extra):
+    """The environment for a test's subprocess that sets its own device
+    count: this one's, with the test flags of XLA_FLAGS (tests/conftest.py)
+    kept and the device count dropped."""
+    env = dict(os.environ, **extra)
+    env["XLA_FLAGS"] = _DEVICE_COUNT.sub("", env.get("XLA_FLAGS", "")).strip()
+    return env
+
+
 def simulate_cpu_devices(local_devices):
     """In a worker, before anything imports JAX: `local_devices` simulated
     CPU devices and the JAX backend of Keras."""
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+    flags = _DEVICE_COUNT.sub("", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local_devices}".strip()
     os.environ["KERAS_BACKEND"] = "jax"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -56,7 +70,7 @@ def run_job(worker, num_processes, local_devices, args, out_dir):
     """Runs `worker PROCESS_ID NUM_PROCESSES PORT LOCAL_DEVICES *args` per
     process; returns each process's `out_dir/process_<id>.json`."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     procs = [
         subprocess.Popen(
             [sys.executable, str(worker), str(i), str(num_processes), str(port),

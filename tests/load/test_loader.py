@@ -102,6 +102,11 @@ def test_sharded_causal_lm_equals_stock_unsharded(family, mesh_shape, family_pre
 
     logits = np.asarray(lm.backbone(inputs))
     np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=0)
+    if mesh_shape != (2, 4):
+        # The logits checked the weights' placement on this mesh; generating
+        # (a compiled sampling loop per mesh, most of this test's time) is
+        # checked on the mesh that shards both axes.
+        return
     lm.compile(sampler="greedy")
     lm.preprocessor = None
     tokens = np.asarray(lm.generate(inputs, stop_token_ids=None)["token_ids"])

@@ -87,8 +87,14 @@ def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("quantize"))
 
 
-@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
-@pytest.mark.parametrize("fmt", ["keras", "huggingface"])
+# The KerasHub preset on the three meshes; the Hugging Face checkpoint (the
+# same bytes read through another index, then the same quantization) on the
+# mesh that shards both axes: its reads are checked on every mesh in
+# tests/formats/test_huggingface_families.py.
+FORMAT_MESHES = [("keras", mesh) for mesh in MESH_SHAPES] + [("huggingface", (2, 4))]
+
+
+@pytest.mark.parametrize("fmt,mesh_shape", FORMAT_MESHES, ids=[f"{f}-{m[0]}x{m[1]}" for f, m in FORMAT_MESHES])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_quantized_load_is_stock_quantize_bitwise(family, mode, fmt, mesh_shape, root):

@@ -207,12 +207,14 @@ def test_publish_order_never_shows_a_partial_preset(presets, store, monkeypatch)
 
 def test_killed_save_uploads_aborted_by_the_next(presets, store, monkeypatch):
     _, url, writer = store
-    monkeypatch.setattr(remote_save, "LEASE_SECONDS", 1.0)
+    # 3 s, not less: the live record below is renewed every 0.75 s by a
+    # thread, which a loaded 2-core host once starved for over a second.
+    monkeypatch.setattr(remote_save, "LEASE_SECONDS", 3.0)
     dead = writer.create_upload("model.weights.h5")
     writer.put(".khd-save-deadbeef0000.json", json.dumps(
         {"host": "gone", "pid": 1, "uploads": {"model.weights.h5": dead}}).encode())
     orphan = writer.create_upload("model_00001.weights.h5")  # no record claims it
-    time.sleep(1.5)  # both leases lapse (the store's clock)
+    time.sleep(3.2)  # both leases lapse (the store's clock)
     model = load_sharded_preset(presets["small"], mesh=(1, 8), progress=False)
     # A save running elsewhere: its record renewed every LEASE_SECONDS / 4.
     live = remote_save._OwnerRecord(writer, secrets.token_hex(6))

@@ -25,6 +25,7 @@ import pytest
 from keras_hub_dist import SaveError, StaleStagingWarning
 from keras_hub_dist import load_sharded_preset, save_sharded_preset, write_synthetic_preset
 from keras_hub_dist.save import hf_export, saver, staging
+from tests.multiprocess_jobs import child_env
 from tests.save.test_save import _assert_same_weights
 
 WORKER = pathlib.Path(__file__).with_name("killed_save_worker.py")
@@ -76,7 +77,7 @@ def _wait_for(path, proc, timeout_s=180):
 
 def test_a_save_killed_mid_write_is_removed_by_the_next(preset, model, tmp_path):
     parent, target = tmp_path / "out", tmp_path / "out" / "target"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), preset, str(target), str(tmp_path / "ready")],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
