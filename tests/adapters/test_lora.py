@@ -119,8 +119,9 @@ def test_peft_adapter_loads_as_peft_computes(case, root):
 @pytest.mark.parametrize("case", CASES)
 def test_keras_lora_saves_an_adapter_peft_computes(case, root, tmp_path):
     """Keras's own LoRA (`Backbone.enable_lora`: query / value, one update
-    per head) for llama and qwen3_moe, PEFT's form on all projections
-    (`keras_hub_dist.enable_lora`, lora_alpha != r) for gemma and qwen3."""
+    per head) for llama and gemma (whose kernels put the heads first), PEFT's
+    form (`keras_hub_dist.enable_lora`, lora_alpha != r) on every projection
+    the model has for qwen3 and qwen3_moe."""
     _, cases = root
     hf, _, _ = cases[case]
     keras.distribution.set_distribution(None)
@@ -129,7 +130,7 @@ def test_keras_lora_saves_an_adapter_peft_computes(case, root, tmp_path):
     if case == "llama":  # the base as the Hugging Face export writes it
         base = str(tmp_path / "base")
         keras_hub_dist.save_sharded_preset(backbone, base, format="huggingface", progress=False)
-    if case in ("llama", "qwen3_moe"):
+    if case in ("llama", "gemma"):
         backbone.enable_lora(rank=2)
     else:
         keras_hub_dist.enable_lora(backbone, rank=3, lora_alpha=5, target_modules=CASES[case][2])
@@ -144,7 +145,7 @@ def test_keras_lora_saves_an_adapter_peft_computes(case, root, tmp_path):
     config = json.loads(open(os.path.join(adapter, "adapter_config.json")).read())
     assert config["peft_type"] == "LORA" and config["bias"] == "none" and config["task_type"] == "CAUSAL_LM"
     assert config["base_model_name_or_path"] == base
-    if case in ("llama", "qwen3_moe"):  # one rank-2 update per query head, as PEFT's rank 8 x 2
+    if case in ("llama", "gemma"):  # one rank-2 update per query head, as PEFT's rank 8 x 2
         assert config["target_modules"] == ["q_proj", "v_proj"]
         assert config["r"] == 2 * 8 and config["lora_alpha"] == 2 * 8
     else:
