@@ -243,3 +243,18 @@ def test_bad_saves(root, tmp_path):
     with pytest.raises(SaveError, match="scale their updates differently"):
         keras_hub_dist.save_lora_adapter(backbone, str(tmp_path / "b"))
     assert not os.path.exists(tmp_path / "b")
+
+
+def test_adapter_from_the_hub(root, tmp_path, monkeypatch):
+    """`hf://owner/name`: the adapter read by byte ranges from a Hub (a
+    loopback stand-in), as PEFT computes."""
+    from remote import hub, servers
+
+    _, cases = root
+    hf, adapter, expected = cases["qwen3"]
+    with servers.RangeServer() as server:
+        hub.patch_huggingface_hub(monkeypatch, server.url, str(tmp_path / "hf-cache"))
+        server.add_hub_repo("someone/qwen3-lora", {rel: path for path, rel in servers.walk_files(adapter)})
+        backbone = keras_hub_dist.load_sharded_preset(
+            hf, mesh=(2, 4), progress=False, lora_adapter="hf://someone/qwen3-lora")
+    _assert_close(_logits(_causal_lm(backbone)), expected, "qwen3", root)
