@@ -99,7 +99,7 @@ def _lora_variables(model):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_peft_adapter_loads_as_peft_computes(case, root):
+def test_peft_adapter_loads_as_peft_computes(case, root, tmp_path):
     _, cases = root
     hf, adapter, expected = cases[case]
     mesh = CASES[case][3]
@@ -114,6 +114,12 @@ def test_peft_adapter_loads_as_peft_computes(case, root):
     # Only the factors train, as after `enable_lora`.
     assert {v.path for v in lm.trainable_variables} == set(lora)
     _assert_close(_logits(lm), expected, case, root)
+
+    if case == "qwen3":  # the LoRA model exported whole, merged, for Transformers alone
+        export = str(tmp_path / "merged_hf")
+        keras_hub_dist.save_sharded_preset(lm, export, format="huggingface", progress=False)
+        model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+        _assert_close(_torch_logits(model), expected, case, root)
 
     merged = _causal_lm(keras_hub_dist.load_sharded_preset(hf, mesh=mesh, progress=False, lora_adapter=adapter, merge=True))
     assert not _lora_variables(merged)
