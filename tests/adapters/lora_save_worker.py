@@ -9,6 +9,7 @@ HF_DIR ADAPTER MESH OUT_DIR`; writes `OUT_DIR/process_<id>.json` with
 its devices and `error`.
 """
 
+import faulthandler
 import json
 import os
 import pathlib
@@ -21,6 +22,8 @@ from tests.multiprocess_jobs import join_job  # noqa: E402
 def main() -> None:
     process_id, num_processes, port, local_devices = (int(a) for a in sys.argv[1:5])
     hf_dir, adapter, mesh, out_dir = sys.argv[5:9]
+    # A stuck job says where it is stuck (the test shows this stderr).
+    faulthandler.dump_traceback_later(int(os.environ.get("KHD_WORKER_STACKS_AFTER_S", "200")), exit=True)
     join_job(process_id, num_processes, port, local_devices)
     import keras_hub_dist
 
