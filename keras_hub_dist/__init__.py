@@ -72,6 +72,8 @@ from keras_hub_dist.load.loader import load_sharded_preset  # noqa: E402
 from keras_hub_dist.load.restore import restore_checkpoint  # noqa: E402
 from keras_hub_dist.save.api import save_sharded_preset  # noqa: E402
 from keras_hub_dist.validate.convert import convert_checkpoint  # noqa: E402
+from keras_hub_dist.save.lora_adapter import save_lora_adapter  # noqa: E402
+from keras_hub_dist.adapters import enable_lora  # noqa: E402
 from keras_hub_dist.measure.memory import MemorySampler  # noqa: E402
 from keras_hub_dist.plan.auto_layout import LayoutPlan  # noqa: E402
 from keras_hub_dist.plan.auto_layout import plan_layout  # noqa: E402
@@ -109,6 +111,7 @@ __all__ = [
     "UnknownPresetError",
     "abstract_backbone",
     "convert_checkpoint",
+    "enable_lora",
     "gemma3_backbone",
     "gemma4_backbone",
     "gemma_backbone",
@@ -129,6 +132,7 @@ __all__ = [
     "qwen_backbone",
     "registry",
     "restore_checkpoint",
+    "save_lora_adapter",
     "save_sharded_preset",
     "write_synthetic_hf_checkpoint",
     "write_synthetic_preset",

@@ -38,6 +38,7 @@ RANKS = {
     "load": 7,
     "save": 7,
     "validate": 8,
+    "adapters": 8,
     # Public names re-exported from their homes, then the package itself.
     "initializers": 9,
     "memory": 9,

@@ -66,6 +66,7 @@ from keras_hub_dist.load import quantized
 from keras_hub_dist.load.block_plan import LoadPlan, VariableRequest, plan_load
 from keras_hub_dist.load.execute import ExecuteStats, execute_plan
 from keras_hub_dist.load.report import LoadReport
+from keras_hub_dist.errors import PresetError
 from keras_hub_dist.load.source import PresetSource, read_config, read_metadata, resolve_source
 from keras_hub_dist.load.tasks import build_task, task_class
 from keras_hub_dist.measure.memory import MemorySampler
@@ -101,6 +102,8 @@ def load_sharded_preset(
     concurrency: int = DEFAULT_CONCURRENCY,
     cache_dir: str | os.PathLike | None = None,
     quantize: str | None = None,
+    lora_adapter: str | os.PathLike | None = None,
+    merge: bool = False,
 ) -> keras.Model | tuple[keras.Model, LoadReport]:
     """Loads a KerasHub preset directly into its final sharding.
 
@@ -176,6 +179,17 @@ def load_sharded_preset(
             are placed. `dtype` stays the float dtype (scales, activations).
             A quantized preset (saved after `quantize`) loads as it is,
             without this argument.
+        lora_adapter: A PEFT LoRA adapter to load on top of the base (a
+            directory holding `adapter_config.json` and
+            `adapter_model.safetensors`, `"hf://owner/adapter"`, or a remote
+            location as for `preset`; see docs/lora.md): LoRA is enabled on
+            exactly the projections it adapts, with its rank and scaling,
+            and its factors are read straight into their shards with the
+            base weights. The factors stay trainable (the rest of the
+            backbone frozen, as `Backbone.enable_lora` leaves it).
+        merge: With `lora_adapter`, fold the update into the kernels
+            instead (`W + scaling * B @ A`, computed per block on the host as
+            it is read): a plain model with no LoRA variables, for serving.
 
     Returns:
         The backbone (or task) model, or `(model, LoadReport)` with
@@ -204,6 +218,7 @@ def load_sharded_preset(
         mesh, layout_map, dtype, task, progress, model_axis, data_axis,
         dict(task_kwargs or {}), num_threads, verify, concurrency,
         None if cache_dir is None else os.fspath(cache_dir), quantize,
+        None if lora_adapter is None else os.fspath(lora_adapter), merge,
     )
     with sampler, host_io.collector_paused():
         model, plan, stats, index, label = _load(preset, options)
@@ -258,6 +273,20 @@ class _Options:
     concurrency: int
     cache_dir: str | None
     quantize: str | None
+    lora_adapter: str | None = None
+    merge: bool = False
+
+
+# The reader of `lora_adapter=`: `(backbone, index, location, label, merge)
+# -> (index with the adapter's variables, variables it created)`. It lives
+# above this room (it maps projections with the Hugging Face export's
+# mapping, in `save/`) and registers itself when the package is imported.
+_ADAPTER_READERS: list[Any] = []
+
+
+def register_adapter_reader(reader: Any) -> None:
+    """Sets the function that reads `lora_adapter=` (see `_ADAPTER_READERS`)."""
+    _ADAPTER_READERS[:] = [reader]
 
 
 def _load(
@@ -266,14 +295,23 @@ def _load(
     # Phase 1: resolve and validate; no device memory is used.
     mode = check_quantize_arguments(options.quantize, options.dtype)
     source = resolve_source(preset)
+    adapter = None if options.lora_adapter is None else resolve_source(options.lora_adapter)
+    if adapter is not None and mode is not None:
+        raise PresetError(
+            "Expected either quantize= or lora_adapter=. Received: both. Load the adapter with "
+            "merge=True and quantize the model afterwards."
+        )
     client = None
-    if is_remote(source.ref):
+    if any(s is not None and is_remote(s.ref) for s in (source, adapter)):
         client = RangeClient(options.concurrency, process_index=jax.process_index())
     try:
-        with open_location(
-            source.ref, source.label, client=client, cache_dir=options.cache_dir
-        ) as location:
-            return _load_from(source, location, client, options, mode)
+        with contextlib.ExitStack() as stack:
+            location = stack.enter_context(open_location(
+                source.ref, source.label, client=client, cache_dir=options.cache_dir
+            ))
+            if adapter is not None:
+                adapter = (adapter, stack.enter_context(open_location(adapter.ref, adapter.label, client=client)))
+            return _load_from(source, location, client, options, mode, adapter)
     finally:
         if client is not None:
             client.close()
@@ -285,6 +323,7 @@ def _load_from(
     client: RangeClient | None,
     options: _Options,
     mode: str | None,
+    adapter: tuple[PresetSource, Location] | None = None,
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     mesh, layout_map, model_axis, data_axis = (
         options.mesh, options.layout_map, options.model_axis, options.data_axis
@@ -312,6 +351,9 @@ def _load_from(
     quantizing = None
     try:
         index = checkpoint.index_checkpoint(backbone, location, source.label, config)
+        if adapter is not None:
+            index, created = _ADAPTER_READERS[0](backbone, index, adapter[1], adapter[0].label, options.merge)
+            deferred = list(deferred) + list(created)
         if options.verify:
             # A Hugging Face checkpoint records them in its index's metadata.
             recorded = getattr(checkpoint, "checksum_metadata", lambda location: metadata)(location)
