@@ -94,8 +94,10 @@ def run_job(worker, num_processes, local_devices, args, out_dir):
     codes = [proc.returncode for proc in procs]
     if UNSUPPORTED in codes:
         pytest.skip(outputs[codes.index(UNSUPPORTED)][1].strip().splitlines()[-1])
-    for code, (_, err) in zip(codes, outputs):
-        assert code == 0, err[-3000:]
+    # Every process's end: a job stuck in a collective shows where each was.
+    assert codes == [0] * num_processes, "\n".join(
+        f"--- process {i} exited {code}:\n{err[-2500:]}" for i, (code, (_, err)) in enumerate(zip(codes, outputs))
+    )
     return [
         json.loads((out_dir / f"process_{i}.json").read_text())
         for i in range(num_processes)
