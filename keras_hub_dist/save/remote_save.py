@@ -10,7 +10,7 @@ become:
    into a temporary directory in memory (`/dev/shm` where there is one), as
    the local save writes its staging directory; the bytes that are not
    dataset values (a few KiB of HDF5 metadata) are read back from there as
-   each part opens (`_Skeleton`);
+   each part opens (`Skeleton`);
 2. **upload** — each weights file is one multipart upload cut into 64 MiB
    parts (`storage.part_uploads`: part `k` is the file's bytes
    `[(k-1) * 64 MiB, k * 64 MiB)`, exactly one checksum chunk). The saver
@@ -107,7 +107,7 @@ from keras_hub_dist.storage.part_uploads import FileUpload, PartUploads, part_co
 from keras_hub_dist.storage.ranged_http import RangeClient
 from keras_hub_dist.storage.uploads import open_writer
 
-__all__ = ["SCHEMES", "save_keras_remote"]
+__all__ = ["SCHEMES", "Skeleton", "save_keras_remote"]
 
 
 def save_keras_remote(
@@ -254,7 +254,7 @@ def _upload_weights(
     # to 16 of them), all but one uploading while one fills.
     buffers = max(4, min(16, int(buffer_fraction * sum(sizes.values()) / part_bytes)))
     sink = PartUploads(writer, uploads_of, part_bytes=part_bytes, max_buffers=buffers,
-                       num_threads=buffers - 1, prefill=_Skeleton(files), on_part=on_part)
+                       num_threads=buffers - 1, prefill=Skeleton(files), on_part=on_part)
     combiner = Combiner(sink, layout)
     on_cpu = all(d.platform == "cpu" for d in jax.local_devices())
     walked = [0]
@@ -312,7 +312,7 @@ def _skeleton_gaps(path: str) -> list[tuple[int, int]]:
     return gaps
 
 
-class _Skeleton:
+class Skeleton:
     """The bytes of the weights files that are not dataset values (HDF5
     metadata around them), read from the local sparse skeleton as each part
     is opened (`PartUploads`' `prefill`)."""
