@@ -215,7 +215,7 @@ def main() -> None:
                 if result.get("failed"):
                     print(result.get("stderr_tail"), file=sys.stderr)
         if args.memory:
-            for case in ("ours", "local_upload"):
+            for case in [c for c in ("ours", "local_upload") if c in cases]:
                 run += 1
                 command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
                            "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run), "--memory",

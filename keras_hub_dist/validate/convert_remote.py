@@ -10,11 +10,12 @@ order of the **target** files' bytes (`ordered_items`: by file, then by the
 first byte a tile writes), so a part fills soon after it opens. The worker
 threads write into the parts through one lock (the copy into a part buffer
 is short next to a tile's read and transpose). Part buffers: as many as
-the tile order keeps open at once (`buffers_needed`: a part open from the
-first tile that writes into it, counted from `num_threads` tiles early, to
-the last), plus one upload per thread; for a dense model with 256 MiB tiles
-a few parts, about 0.5 GB, on top of the conversion's own
-`num_threads x (2 x 256 + 24)` MiB.
+the tile order keeps open at once (`buffers_needed`: the parts several
+tiles write, open from the first of them to the last, plus three per
+thread: a tile writes its rows in file order, so a part it alone writes
+fills while it runs), computed before the first upload; `PartUploads`
+refuses to hold more. For the tested models 4 to 8 parts, on top of the
+conversion's own `num_threads x (2 x 256 + 24)` MiB.
 
 The rest is the save's into a bucket (`save.remote_publish`): the target
 is claimed (writable, not a preset unless `overwrite`, what killed saves
@@ -75,7 +76,15 @@ def ordered_items(jobs: Sequence[Any], items: Sequence[tuple[Any, Any]], file_or
 
 
 def buffers_needed(spans_in_order: Sequence[list[tuple[str, int, int]]], part_bytes: int, num_threads: int) -> int:
-    """Part buffers the tile order needs (module doc)."""
+    """Part buffers the tile order needs (module doc).
+
+    A tile writes its target rows in file order, so a part only it writes
+    fills while it runs: each thread holds at most two such parts being
+    filled and one uploading. A part several tiles write (a tile boundary
+    inside it, or a transposed tensor cut along the columns its rows take)
+    stays open from the first of them, counted from `num_threads - 1` tiles
+    early (threads run ahead), to the last.
+    """
     first: dict[tuple[str, int], int] = {}
     last: dict[tuple[str, int], int] = {}
     for index, spans in enumerate(spans_in_order):
@@ -83,14 +92,15 @@ def buffers_needed(spans_in_order: Sequence[list[tuple[str, int, int]]], part_by
             for part in range(start // part_bytes, (end - 1) // part_bytes + 1):
                 first.setdefault((path, part), index)
                 last[(path, part)] = index
-    lead = max(0, num_threads - 1)  # a thread may run ahead by this many tiles
-    events = sorted([(max(0, first[k] - lead), 1) for k in first] + [(last[k] + 1, -1) for k in first],
+    lead = max(0, num_threads - 1)
+    shared = [k for k in first if last[k] > first[k]]
+    events = sorted([(max(0, first[k] - lead), 1) for k in shared] + [(last[k] + 1, -1) for k in shared],
                     key=lambda e: (e[0], e[1]))
     peak = current = 0
     for _, delta in events:
         current += delta
         peak = max(peak, current)
-    return max(4, peak + num_threads + 1)
+    return max(4, peak + 3 * max(1, num_threads))
 
 
 class _Locked:

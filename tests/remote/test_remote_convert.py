@@ -13,7 +13,7 @@ from keras_hub_dist import SaveError, convert_checkpoint, load_sharded_preset, s
 from keras_hub_dist import write_synthetic_preset
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.storage import uploads
-from keras_hub_dist.validate import cli
+from keras_hub_dist.validate import cli, convert_remote
 from tests.remote.test_remote_save import _bucket, _local_files, _objects
 
 # About 24 MB of float32: several 5 MiB parts (moto's real minimum).
@@ -66,6 +66,14 @@ def test_convert_into_a_bucket_is_the_local_conversion(sources, request, scheme,
     server = request.getfixturevalue("s3" if scheme == "s3" else "gcs")
     bucket = _bucket(server, scheme)
     monkeypatch.chdir(tmp_path)
+    orders = []
+    real = convert_remote.buffers_needed
+
+    def buffers_needed(spans, part_bytes, num_threads):
+        orders.append(spans)
+        return real(spans, part_bytes, num_threads)
+
+    monkeypatch.setattr(convert_remote, "buffers_needed", buffers_needed)
     convert_checkpoint(sources["keras"], f"{scheme}://{bucket}/hf", to="huggingface", max_shard_size=0.012,
                        progress=False)
     convert_checkpoint(sources["hf"], f"{scheme}://{bucket}/keras", to="keras", progress=False)
@@ -74,6 +82,10 @@ def test_convert_into_a_bucket_is_the_local_conversion(sources, request, scheme,
     _same(_objects(hf), _local_files(sources["hf"]))
     _same_preset(f"{scheme}://{bucket}/keras", _objects(keras_preset), sources["keras_again"])
     assert hf.list_uploads() == [] and keras_preset.list_uploads() == []
+    # The tiles' order keeps few parts open, even with parts of 64 KiB (about
+    # 190 per file): at most 3 that several tiles write, and 3 per thread.
+    assert len(orders) == 2 and all(real(spans, 64 << 10, 2) <= 3 + 3 * 2 for spans in orders), \
+        [real(spans, 64 << 10, 2) for spans in orders]
 
 
 def test_convert_s3_to_gcs_with_no_local_copy(sources, s3, gcs, monkeypatch, tmp_path):
