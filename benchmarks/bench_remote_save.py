@@ -3,7 +3,8 @@ vs the path a user takes today (save locally, then upload the files with
 boto3's transfer manager) vs the store's own floor (the same bytes uploaded
 from memory).
 
-Side by side in one run, each case in a fresh subprocess on 8 simulated CPU
+`--format huggingface` exports the Hugging Face format instead (ours into
+the bucket, theirs into a local directory then uploaded). Side by side in one run, each case in a fresh subprocess on 8 simulated CPU
 devices, mesh (1, 8), the probe loaded with `load_sharded_preset` first (not
 timed). The store is moto's S3 server on loopback, in a process of its own
 (so it shares no GIL with the client; it keeps objects in memory):
@@ -23,6 +24,8 @@ process wrote to disk (`write_bytes` of /proc/self/io), bytes uploaded; with
 Usage (heavy: run under the machine's heavy-job lock):
 
     flock /tmp/khd-heavy.lock python benchmarks/bench_remote_save.py --config width1 --repeats 3
+    flock /tmp/khd-heavy.lock python benchmarks/bench_remote_save.py --config width1 --format huggingface \
+        --cases ours,local_upload --repeats 1 --memory          # the Hugging Face export
     python benchmarks/bench_remote_save.py --config small --repeats 1   # smoke run
 """
 
@@ -120,12 +123,12 @@ def run_case(args) -> None:
     if sampler is not None:
         sampler.__enter__()
     if args.case == "ours":
-        keras_hub_dist.save_sharded_preset(model, f"s3://bench/ours-{args.run}")
+        keras_hub_dist.save_sharded_preset(model, f"s3://bench/ours-{args.run}", format=args.format)
     elif args.case == "local_upload":
         from boto3.s3.transfer import TransferConfig
 
         local = os.path.join(args.workdir, f"local-{args.run}")
-        keras_hub_dist.save_sharded_preset(model, local)
+        keras_hub_dist.save_sharded_preset(model, local, format=args.format)
         client = _s3_client(args.endpoint)
         config = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, max_concurrency=10)
         for root, _, names in os.walk(local):
@@ -175,6 +178,8 @@ def main() -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="width1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory", action="store_true", help="also a run of each save with the memory sampler")
+    parser.add_argument("--format", choices=("keras", "huggingface"), default="keras")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of " + ", ".join(CASES))
     parser.add_argument("--workdir", default="/work/bench_tmp/bench_remote_save")
     parser.add_argument("--keep", action="store_true", help="keep the probe")
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -192,14 +197,16 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, __file__, "--serve"], env=_env(), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     endpoint = server.stdout.readline().strip()
-    results: dict[str, list[dict]] = {c: [] for c in CASES}
+    cases = [c for c in args.cases.split(",") if c]
+    results: dict[str, list[dict]] = {c: [] for c in cases}
     try:
         run = 0
         for repeat in range(args.repeats):
-            for case in CASES:
+            for case in cases:
                 run += 1
                 command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
-                           "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run)]
+                           "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run),
+                           "--format", args.format]
                 result = run_capped(command, 0)
                 _empty_bucket(endpoint)  # moto keeps objects in memory
                 results[case].append(result)
@@ -208,10 +215,11 @@ def main() -> None:
                 if result.get("failed"):
                     print(result.get("stderr_tail"), file=sys.stderr)
         if args.memory:
-            for case in ("ours", "local_upload"):
+            for case in [c for c in ("ours", "local_upload") if c in cases]:
                 run += 1
                 command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
-                           "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run), "--memory"]
+                           "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run), "--memory",
+                           "--format", args.format]
                 results[f"{case}_mem"] = [run_capped(command, 0)]
                 _empty_bucket(endpoint)
     finally:
@@ -222,7 +230,7 @@ def main() -> None:
     ok = {c: [r for r in rs if "wall_s" in r and not r.get("failed")] for c, rs in results.items()}
     wall = {c: _median([r["wall_s"] for r in rs]) for c, rs in ok.items() if rs}
     weights = ok["ours"][0]["weights_bytes"] if ok["ours"] else 0
-    print(f"\nconfig {args.config}: weights {weights / 1e9:.2f} GB, medians of {args.repeats}")
+    print(f"\nconfig {args.config}, format {args.format}: weights {weights / 1e9:.2f} GB, medians of {args.repeats}")
     print(f"{'case':<14}{'wall s':>9}{'vs ours':>9}{'MB/s':>8}{'cpu s':>8}{'RSS growth/model':>18}{'disk written':>14}")
     for case, rs in ok.items():
         if not rs or case.endswith("_mem"):

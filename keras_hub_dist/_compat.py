@@ -30,6 +30,7 @@ __all__ = [
     "executed_program",
     "forget_deferred_variables",
     "H5IOStore",
+    "saveable_being_saved",
     "host_array",
     "in_stateless_scope",
     "initialize_pending",
@@ -294,6 +295,17 @@ def walk_saved_variables(model: Any, store: Any, skip: Any = ()) -> None:
         inner_path="",
         visited_saveables={id(o) for o in skip},
     )
+
+
+def saveable_being_saved() -> Any:
+    """From inside a weights store's `make`, the saveable Keras is about to
+    call `save_own_variables` of: `_save_state` hands the store only its
+    path, and the object is its local `saveable` (two frames up: this
+    function, then `make`). Lets a value Keras computes while saving (a
+    LoRA-merged kernel) be computed again later, from its layer alone."""
+    import sys
+
+    return sys._getframe(2).f_locals.get("saveable")
 
 
 def unfilled_weights_store(path: Any, max_shard_size: float | None, create_dataset: Callable[[Any, str, Any], None]) -> Any:

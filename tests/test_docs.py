@@ -93,7 +93,8 @@ REMOTE = {
     "https://models.example.com/llama3_8b_en": "llama3",
 }
 # Buckets the examples write into (created empty, the environment set).
-TARGETS = {"s3://my-bucket/gemma_7b_tuned", "gs://my-bucket/gemma_7b_tune", "s3://my-bucket/tuned/gemma_7b", "gs://my-bucket/gemma2_9b_tuned"}
+TARGETS = {"s3://my-bucket/gemma_7b_tuned", "s3://my-bucket/tuned/gemma_7b", "gs://my-bucket/gemma2_9b_tuned",
+           "gs://my-bucket/gemma_7b_hf", "gs://my-bucket/tuned/gemma_7b_hf", "gs://my-bucket/gemma_7b_tune"}
 _URL = re.compile(r"\b(?:s3|gs|hf|https?)://[A-Za-z0-9._/-]+")
 
 

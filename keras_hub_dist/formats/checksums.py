@@ -280,10 +280,11 @@ def all_chunks(sizes: Sequence[int], chunk_bytes: Sequence[int] | None = None) -
     ]
 
 
-def entries(files: Sequence[str], digests: np.ndarray) -> dict[str, dict[str, Any]]:
+def entries(files: Sequence[str], digests: np.ndarray, sizes: Sequence[int] | None = None) -> dict[str, dict[str, Any]]:
     """File name -> its recorded checksum (`FileChecksum.to_json()`), from
-    `digests`: one SHA-256 row per chunk of `files`, in `all_chunks` order."""
-    sizes = [os.path.getsize(f) for f in files]
+    `digests`: one SHA-256 row per chunk of `files`, in `all_chunks` order
+    (`sizes`: the files' lengths, where they are not on this disk)."""
+    sizes = [os.path.getsize(f) for f in files] if sizes is None else list(sizes)
     keys = all_chunks(sizes)
     out = {}
     for number, (path, size) in enumerate(zip(files, sizes)):

@@ -21,7 +21,7 @@ from typing import Any
 import keras
 
 from keras_hub_dist.errors import SaveError
-from keras_hub_dist.save import hf_export, remote_save, saver
+from keras_hub_dist.save import hf_export, remote_hf_export, remote_save, saver
 from keras_hub_dist.storage.locations import is_url
 
 __all__ = ["FORMATS", "save_sharded_preset"]
@@ -180,18 +180,23 @@ def _save_remote(
                "then upload it with `huggingface-cli upload`." if scheme == "hf" else
                "Save to a local directory or a bucket.")
         )
-    if format != "keras":
+    if format not in FORMATS:
+        raise SaveError(f"Expected format to be one of {FORMATS}. Received: format={format!r}.")
+    if durable:
         raise SaveError(
-            f"Expected format='keras' for a save into {url!r}. Received: format={format!r}. "
-            "Writing the Hugging Face format into object storage is not supported yet: "
-            "save it to a local directory."
-            if format == "huggingface" else
-            f"Expected format to be one of {FORMATS}. Received: format={format!r}."
+            f"Expected durable=False for a save into {url!r} (an object is durable once "
+            f"written). Received: durable={durable!r}."
         )
-    if dtype is not None or durable:
+    if format == "huggingface":
+        remote_hf_export.save_huggingface_remote(
+            model, url, overwrite=overwrite, progress=progress, dtype=dtype,
+            max_shard_size=None if max_shard_size is _DEFAULT else max_shard_size,
+        )
+        return
+    if dtype is not None:
         raise SaveError(
-            f"Expected dtype=None and durable=False for a save into {url!r} (an object is "
-            f"durable once written). Received: dtype={dtype!r}, durable={durable!r}."
+            f"Expected dtype=None for format='keras' (a preset keeps the model's "
+            f"dtype). Received: dtype={dtype!r}. Load the model in that dtype instead."
         )
     remote_save.save_keras_remote(
         model, url, overwrite=overwrite, progress=progress,

@@ -82,7 +82,10 @@ from keras_hub_dist.save.saver import (
 )
 from keras_hub_dist.save.write_plan import block_owners
 
-__all__ = ["BlockPlan", "check_dtype", "checksummed_index", "plan_blocks", "save_huggingface", "shard_size", "twin_config"]
+__all__ = [
+    "BlockPlan", "check_dtype", "checked_mapping", "checksummed_index", "device_indices_of", "plan_blocks",
+    "quantization_error", "save_huggingface", "shard_size", "twin_config",
+]
 
 
 @dataclass(frozen=True)
@@ -161,8 +164,10 @@ def plan_blocks(
 
 def checksummed_index(layout: SafetensorsLayout, paths: list[str], digests: np.ndarray) -> str:
     """`model.safetensors.index.json` with the checksum of every file (from
-    `digests`, one row per 64 MiB chunk of `paths`, in order)."""
-    return index_json(layout, {checksums.METADATA_KEY: {"checksums": checksums.entries(paths, digests)}})
+    `digests`, one row per 64 MiB chunk of `paths`, in order; the files'
+    sizes are the layout's, so `paths` need not exist here)."""
+    sizes = [f.size for f in layout.files]
+    return index_json(layout, {checksums.METADATA_KEY: {"checksums": checksums.entries(paths, digests, sizes)}})
 
 
 def check_dtype(dtype: Any, to: str) -> np.dtype | None:
@@ -186,7 +191,7 @@ def check_dtype(dtype: Any, to: str) -> np.dtype | None:
     return resolved
 
 
-def _quantization_error(model: Any) -> str | None:
+def quantization_error(model: Any) -> str | None:
     quantized = sorted({
         layer.path
         for layer in model._flatten_layers()
@@ -265,25 +270,14 @@ def _mapping_of(backbone: Any, task: Any, dtype: Any) -> HfMapping:
         _compat.forget_deferred_variables(created)
 
 
-def save_huggingface(
-    model: Any,
-    preset_dir: str | os.PathLike,
-    *,
-    overwrite: bool = False,
-    progress: bool | None = None,
-    max_shard_size: float | int | str | None = None,
-    num_threads: int = 2,
-    dtype: Any = None,
-    durable: bool = False,
-) -> None:
-    """`save_sharded_preset(model, preset_dir, format="huggingface")`; see
-    `keras_hub_dist.save_sharded_preset`."""
-    dtype = check_dtype(dtype, "huggingface")
-    target = _agreed_target(preset_dir)
-    backbone, task = _backbone_and_task(model)
-    _processes.check_all(_model_error(model) or _quantization_error(model), SaveError, "Cannot export the model")
-    claim_target(target, overwrite)
+def checked_mapping(backbone: Any, task: Any, dtype: Any, max_shard_size: Any) -> tuple[HfMapping, SafetensorsLayout, Any]:
+    """The model's checkpoint (mapped on a copy built without values), its
+    files, and the model's `WeightSet`; run by every process.
 
+    Raises:
+        SaveError: On every process, when mapping failed on one or the model
+            saves other shapes than the copy.
+    """
     found: list[HfMapping] = []
     error = _guard(lambda: found.append(_mapping_of(backbone, task, dtype)))
     _processes.check_all(error, SaveError, "Mapping the model to the Hugging Face format failed")
@@ -300,6 +294,38 @@ def save_huggingface(
         ) or None,
         SaveError, "Cannot export the model",
     )
+    return mapping, layout, weight_set
+
+
+def device_indices_of(mapping: HfMapping, weight_set: Any) -> dict[str, Any]:
+    """Dataset -> device -> the block it holds, of every mapped dataset
+    (`None`: a host value)."""
+    return {
+        d: None if weight_set.shardings.get(d) is None
+        else _device_indices(weight_set.shardings[d], mapping.shapes[d])
+        for d in mapping.pieces
+    }
+
+
+def save_huggingface(
+    model: Any,
+    preset_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    max_shard_size: float | int | str | None = None,
+    num_threads: int = 2,
+    dtype: Any = None,
+    durable: bool = False,
+) -> None:
+    """`save_sharded_preset(model, preset_dir, format="huggingface")`; see
+    `keras_hub_dist.save_sharded_preset`."""
+    dtype = check_dtype(dtype, "huggingface")
+    target = _agreed_target(preset_dir)
+    backbone, task = _backbone_and_task(model)
+    _processes.check_all(_model_error(model) or quantization_error(model), SaveError, "Cannot export the model")
+    claim_target(target, overwrite)
+    mapping, layout, weight_set = checked_mapping(backbone, task, dtype, max_shard_size)
 
     parent, base = os.path.split(target)
     token = _processes.broadcast_string(secrets.token_hex(6))
@@ -314,11 +340,7 @@ def save_huggingface(
         plans: dict[str, list[BlockPlan]] = {}
 
         def plan() -> None:
-            indices = {
-                d: None if weight_set.shardings.get(d) is None
-                else _device_indices(weight_set.shardings[d], mapping.shapes[d])
-                for d in mapping.pieces
-            }
+            indices = device_indices_of(mapping, weight_set)
             plans.update(plan_blocks(
                 mapping, layout, folder, indices,
                 process_index=jax.process_index(), process_count=jax.process_count(),

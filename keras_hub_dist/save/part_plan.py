@@ -37,14 +37,15 @@ parts["w.h5"].owners[0], parts["w.h5"].mixed, parts["w.h5"].last_value
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from keras_hub_dist.save.write_plan import SavePlan
 
-__all__ = ["FileParts", "plan_parts"]
+__all__ = ["FileParts", "plan_parts", "plan_step_parts"]
 
 
 @dataclass(frozen=True)
@@ -113,21 +114,41 @@ def plan_parts(
             lists every value, with its blocks or none).
         part_bytes: Bytes per part but the last.
     """
-    processes = len(plans)
+    writes = (
+        (process, value.file, index, block.runs)
+        for process, plan in enumerate(plans)
+        for index, value in enumerate(plan.values)  # walk order, the same in every plan
+        for block in value.blocks
+    )
+    return plan_step_parts(sizes, writes, len(plans), part_bytes)
+
+
+def plan_step_parts(
+    sizes: Mapping[str, int], writes: Iterable[tuple[int, str, int, Any]], processes: int, part_bytes: int
+) -> dict[str, FileParts]:
+    """`plan_parts` over any sequence of steps that every process takes in
+    the same order (the Keras walk's values, or the Hugging Face export's
+    slabs in file order, `save.hf_part_plan`).
+
+    Args:
+        sizes: File -> length, in the order the steps write them.
+        writes: `(process, file, step index, byte runs)` of every write of
+            every process (`last_value` is then the last step index).
+        processes: Processes of the job.
+        part_bytes: Bytes per part but the last.
+    """
     counts = {f: np.zeros((processes, max(1, -(-s // part_bytes))), np.int64) for f, s in sizes.items()}
     last_value: dict[str, dict[int, int]] = {f: {} for f in sizes}
-    for process, plan in enumerate(plans):
-        for index, value in enumerate(plan.values):  # walk order, the same in every plan
-            for block in value.blocks:
-                if not block.runs.num_runs:
-                    continue
-                offsets = _run_offsets(block.runs)
-                _add_runs(counts[value.file][process], offsets, block.runs.run_bytes, part_bytes)
-                first = int(offsets.min()) // part_bytes
-                last = (int(offsets.max()) + block.runs.run_bytes - 1) // part_bytes
-                touched = last_value[value.file]
-                for part in range(first + 1, last + 2):
-                    touched[part] = max(touched.get(part, -1), index)
+    for process, file, index, runs in writes:
+        if not runs.num_runs:
+            continue
+        offsets = _run_offsets(runs)
+        _add_runs(counts[file][process], offsets, runs.run_bytes, part_bytes)
+        first = int(offsets.min()) // part_bytes
+        last = (int(offsets.max()) + runs.run_bytes - 1) // part_bytes
+        touched = last_value[file]
+        for part in range(first + 1, last + 2):
+            touched[part] = max(touched.get(part, -1), index)
     load = [0] * processes
     out = {}
     for file, size in sizes.items():

@@ -10,7 +10,7 @@ become:
    into a temporary directory in memory (`/dev/shm` where there is one), as
    the local save writes its staging directory; the bytes that are not
    dataset values (a few KiB of HDF5 metadata) are read back from there as
-   each part opens (`_Skeleton`);
+   each part opens (`Skeleton`);
 2. **upload** — each weights file is one multipart upload cut into 64 MiB
    parts (`storage.part_uploads`: part `k` is the file's bytes
    `[(k-1) * 64 MiB, k * 64 MiB)`, exactly one checksum chunk). The saver
@@ -35,7 +35,9 @@ uploads: its owner record (`.khd-save-<token>.json` beside the preset,
 renewed every `LEASE_SECONDS / 4` by a thread while the save runs) lets
 the next save to the same target abort them once the record's lease has
 lapsed by the store's own clock; uploads of a live save are never touched.
-Each abort is named in a `StaleStagingWarning`.
+Each abort is named in a `StaleStagingWarning`. The claim, the owner
+record, the combining of mixed parts and the publishing are shared with
+the Hugging Face export into a bucket (`save.remote_publish`).
 
 Several processes (a pod, no shared filesystem): every process lays out
 the same skeleton in its own memory (checked equal across processes),
@@ -68,20 +70,26 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import tempfile
-import threading
-import time
-import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
 from keras_hub_dist import _compat, _processes
-from keras_hub_dist.errors import SaveError, StaleStagingWarning
+from keras_hub_dist.errors import SaveError
 from keras_hub_dist.formats import checksums, keras_h5
-from keras_hub_dist.save.part_plan import FileParts, plan_parts
+from keras_hub_dist.save.part_plan import plan_parts
+from keras_hub_dist.save.remote_publish import (
+    SCHEMES,
+    Combiner,
+    OwnerRecord,
+    agreed_url,
+    claim_remote,
+    memory_dir,
+    publish,
+    start_uploads,
+)
 from keras_hub_dist.save.saver import (
     _backbone_and_task,
     _guard,
@@ -99,14 +107,7 @@ from keras_hub_dist.storage.part_uploads import FileUpload, PartUploads, part_co
 from keras_hub_dist.storage.ranged_http import RangeClient
 from keras_hub_dist.storage.uploads import open_writer
 
-__all__ = ["LEASE_SECONDS", "SCHEMES", "save_keras_remote"]
-
-SCHEMES = ("s3", "gs")
-
-# How long an owner record stays valid without renewal: a save whose record
-# is older than this (by the store's clock) is taken for dead.
-LEASE_SECONDS = 120.0
-_OWNER_PREFIX = ".khd-save-"
+__all__ = ["SCHEMES", "Skeleton", "save_keras_remote"]
 
 
 def save_keras_remote(
@@ -121,12 +122,7 @@ def save_keras_remote(
     """`save_sharded_preset(model, "s3://..." | "gs://...")` in the Keras
     format, run by every process (see the module doc and
     `keras_hub_dist.save_sharded_preset`)."""
-    targets = _processes.gather_strings(url)
-    if len(set(targets)) > 1:
-        raise SaveError(
-            "Expected every process to pass the same preset_dir. Received: "
-            + ", ".join(f"process {i}: {t!r}" for i, t in enumerate(targets)) + "."
-        )
+    agreed_url(url)
     backbone, task = _backbone_and_task(model)
     _processes.check_all(_model_error(model), SaveError, "Cannot save the model")
     # Every request says which process sent it (`X-Khd-Process`).
@@ -141,7 +137,7 @@ def _save(
 ) -> None:
     first = jax.process_index() == 0
     found: list[dict[str, Any]] = []
-    error = _guard(lambda: found.append(_claim(writer, overwrite))) if first else None
+    error = _guard(lambda: found.append(claim_remote(writer, overwrite))) if first else None
     _processes.check_all(error, SaveError, f"Cannot save to {url!r}")
 
     names = _compat.preset_file_names()
@@ -154,8 +150,8 @@ def _save(
     if task is not None and task.has_task_weights():
         sets.append(weight_set_of(task, list(backbone._flatten_layers()), names["task_weights"], None))
 
-    folder = tempfile.mkdtemp(prefix="khd-save-", dir=_memory_dir())
-    owner = _OwnerRecord(writer, _processes.broadcast_string(secrets.token_hex(6)))
+    folder = tempfile.mkdtemp(prefix="khd-save-", dir=memory_dir())
+    owner = OwnerRecord(writer, _processes.broadcast_string(secrets.token_hex(6)))
     uploads: dict[str, str] = {}
     try:
         laid_out: list[Any] = []
@@ -165,7 +161,8 @@ def _save(
         _processes.check_all(_skeleton_differs(files, sizes), SaveError, "Laying out the preset failed")
 
         if first:
-            error = _guard(lambda: _start_uploads(writer, owner, folder, files, uploads))
+            names_of = [os.path.relpath(f, folder).replace(os.sep, "/") for f in files]
+            error = _guard(lambda: start_uploads(writer, owner, names_of, uploads))
         _processes.check_all(error, SaveError, f"Starting the uploads into {url!r} failed")
         uploads.update(json.loads(_processes.broadcast_string(json.dumps(uploads))))
 
@@ -180,7 +177,7 @@ def _save(
 
             def finish() -> None:
                 write_metadata(folder, backbone, files, digests, names)
-                _publish(writer, folder, files, uploads, merged, found[0], names)
+                publish(writer, folder, files, uploads, merged, found[0], names)
                 uploads.clear()
 
             error = _guard(finish)
@@ -220,117 +217,6 @@ def _skeleton_differs(files: list[str], sizes: dict[str, int]) -> str | None:
     return None
 
 
-def _start_uploads(writer: Any, owner: _OwnerRecord, folder: str, files: list[str], uploads: dict[str, str]) -> None:
-    owner.start()
-    for path in files:
-        name = os.path.relpath(path, folder).replace(os.sep, "/")
-        uploads[name] = writer.create_upload(name)
-        owner.uploads = dict(uploads)
-    owner.renew()
-
-
-def _memory_dir() -> str | None:
-    """A directory in memory (tmpfs) for the small files, else the default."""
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-
-
-def _claim(writer: Any, overwrite: bool) -> dict[str, Any]:
-    """Aborts what dead saves to the target left (warning with what), then
-    checks the target may be written; returns what it holds now."""
-    writer.check_writable()
-    listing = writer.list()
-    removed = _sweep_stale(writer, listing)
-    if removed:
-        warnings.warn(
-            f"Removed what killed saves to {writer.location} left: " + "; ".join(removed),
-            StaleStagingWarning, stacklevel=4,
-        )
-        listing = writer.list()
-    existing = {n: m for n, m in listing.items() if not n.startswith(".")}
-    if existing and not overwrite:
-        shown = ", ".join(sorted(existing)[:5]) + (" ..." if len(existing) > 5 else "")
-        raise SaveError(
-            f"Expected {writer.location} to hold no preset. Received: {len(existing)} "
-            f"object(s) there ({shown}). Pass overwrite=True to replace it, or choose another prefix."
-        )
-    return existing
-
-
-def _sweep_stale(writer: Any, listing: dict[str, Any]) -> list[str]:
-    """Aborts the uploads of saves whose owner record's lease has lapsed (by
-    the store's clock: the time of a record written now), and those records."""
-    records = {n: m for n, m in listing.items() if n.startswith(_OWNER_PREFIX)}
-    pending = writer.list_uploads()
-    if not records and not pending:
-        return []
-    probe = f"{_OWNER_PREFIX}probe-{secrets.token_hex(4)}.json"
-    writer.put(probe, b"{}")
-    now = writer.list(probe)[probe].updated
-    writer.delete([probe])
-    claimed: set[str] = set()  # by a record, live or dead
-    removed: list[str] = []
-    for name, meta in records.items():
-        body = writer.get(name)
-        record = json.loads(body) if body else {}
-        claimed.update(record.get("uploads", {}).values())
-        if now - meta.updated < LEASE_SECONDS:
-            continue
-        for upload_name, upload_id in record.get("uploads", {}).items():
-            with contextlib.suppress(Exception):
-                writer.abort_upload(upload_name, upload_id)
-            removed.append(f"upload of {upload_name!r} ({upload_id[:12]}...) by {record.get('host', '?')} pid {record.get('pid', '?')}")
-        writer.delete([name])
-        removed.append(f"owner record {name!r} (lease lapsed {now - meta.updated:.0f} s ago)")
-    for upload in pending:
-        if upload.upload_id in claimed:
-            continue
-        # No record claims it: a save killed between starting the upload and
-        # recording it, once as old as a lease.
-        if now - upload.initiated >= LEASE_SECONDS:
-            with contextlib.suppress(Exception):
-                writer.abort_upload(upload.name, upload.upload_id)
-            removed.append(f"unclaimed upload of {upload.name!r} started {now - upload.initiated:.0f} s ago")
-    return removed
-
-
-class _OwnerRecord:
-    """The save's owner record in the store, renewed by a thread."""
-
-    def __init__(self, writer: Any, token: str) -> None:
-        self.writer, self.name = writer, f"{_OWNER_PREFIX}{token}.json"
-        self.uploads: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def renew(self) -> None:
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "uploads": self.uploads,
-                  "lease_seconds": LEASE_SECONDS, "written": time.time()}
-        self.writer.put(self.name, json.dumps(record).encode())
-
-    def start(self) -> None:
-        self.renew()
-
-        def loop() -> None:
-            while not self._stop.wait(LEASE_SECONDS / 4):
-                with contextlib.suppress(Exception):  # the next renewal may pass
-                    self.renew()
-
-        self._thread = threading.Thread(target=loop, name="khd-save-lease", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            with contextlib.suppress(Exception):
-                self.writer.delete([self.name])
-
-
-# Mixed parts are summed over the processes this many bytes at a time.
-COMBINE_BYTES = 8 << 20
-
-
 def _upload_weights(
     writer: Any, folder: str, files: list[str], sizes: dict[str, int], uploads: dict[str, str],
     sets: list[Any], requests: list[list[Any]], progress: bool | None, url: str, buffer_fraction: float,
@@ -368,8 +254,8 @@ def _upload_weights(
     # to 16 of them), all but one uploading while one fills.
     buffers = max(4, min(16, int(buffer_fraction * sum(sizes.values()) / part_bytes)))
     sink = PartUploads(writer, uploads_of, part_bytes=part_bytes, max_buffers=buffers,
-                       num_threads=buffers - 1, prefill=_Skeleton(files), on_part=on_part)
-    combiner = _Combiner(sink, layout)
+                       num_threads=buffers - 1, prefill=Skeleton(files), on_part=on_part)
+    combiner = Combiner(sink, layout)
     on_cpu = all(d.platform == "cpu" for d in jax.local_devices())
     walked = [0]
 
@@ -409,63 +295,6 @@ def _upload_weights(
     return table, parts, error
 
 
-class _Combiner:
-    """Combines each mixed part (`save.part_plan`) as soon as every process
-    has written it whole: after the slab that writes the last value with
-    bytes in it up to the part's end. The same parts, in the same order, on
-    every process."""
-
-    def __init__(self, sink: PartUploads, layout: dict[str, FileParts]) -> None:
-        self._sink, self._layout = sink, layout
-        self._due = {
-            path: sorted(parts.mixed, key=lambda k, p=parts: (p.last_value.get(k, -1), k))
-            for path, parts in layout.items()
-        }
-        self._me = jax.process_index()
-
-    def advance(self, path: str, index: int, written_to: int, value_end: int, errors: list[str]) -> None:
-        """Value `index` of the walk is written up to byte `written_to` of
-        file `path` (it ends at `value_end`), by every process."""
-        parts, due = self._layout[path], self._due[path]
-        while due:
-            number = due[0]
-            last = parts.last_value.get(number, -1)
-            part_end = min(parts.size, number * parts.part_bytes)
-            if last > index or (last == index and written_to < min(part_end, value_end)):
-                return
-            due.pop(0)
-            reduce = _reduce_on(parts.owners[number - 1], self._me)
-            if errors:  # take part, with nothing
-                reduce(None, _part_length(parts, number))
-                continue
-            try:
-                self._sink.combine(path, number, reduce)
-            except Exception as e:  # noqa: BLE001 - the others wait in the next combine
-                errors.append(f"combining part {number} of {os.path.basename(path)!r}: {type(e).__name__}: {e}")
-
-
-def _part_length(parts: FileParts, number: int) -> int:
-    start = (number - 1) * parts.part_bytes
-    return min(parts.size, start + parts.part_bytes) - start
-
-
-def _reduce_on(owner: int, me: int) -> Any:
-    """Sums a part's buffers over the processes, `COMBINE_BYTES` at a time;
-    the part on `owner`, `None` elsewhere."""
-
-    def reduce(buffer: np.ndarray | None, length: int) -> np.ndarray | None:
-        out = np.empty(length, np.uint8) if me == owner else None
-        for start in range(0, length, COMBINE_BYTES):
-            stop = min(length, start + COMBINE_BYTES)
-            mine = buffer[start:stop] if buffer is not None else np.zeros(stop - start, np.uint8)
-            summed = _processes.sum_over_processes(mine)
-            if out is not None:
-                out[start:stop] = summed
-        return out
-
-    return reduce
-
-
 def _skeleton_gaps(path: str) -> list[tuple[int, int]]:
     """The byte ranges of weights file `path` that are not dataset values."""
     datasets = sorted(
@@ -483,7 +312,7 @@ def _skeleton_gaps(path: str) -> list[tuple[int, int]]:
     return gaps
 
 
-class _Skeleton:
+class Skeleton:
     """The bytes of the weights files that are not dataset values (HDF5
     metadata around them), read from the local sparse skeleton as each part
     is opened (`PartUploads`' `prefill`)."""
@@ -500,32 +329,5 @@ class _Skeleton:
                     buffer[a - start : b - start] = np.frombuffer(os.pread(f.fileno(), b - a, a), np.uint8)
                     filled += b - a
         return filled
-
-
-def _publish(
-    writer: Any, folder: str, files: list[str], uploads: dict[str, str],
-    parts: dict[str, list[tuple[int, str]]], existing: dict[str, Any], names: dict[str, str],
-) -> None:
-    """Completes the uploads, then writes the small files, config.json last
-    (see the module doc)."""
-    config = names["config"]
-    if config in existing:
-        writer.delete([config])  # the old preset is unreadable from here on
-    for name, upload_id in uploads.items():
-        writer.complete_upload(name, upload_id, parts[name])
-    weights = {os.path.relpath(f, folder) for f in files}
-    small = [
-        os.path.relpath(os.path.join(root, n), folder)
-        for root, _, found in os.walk(folder) for n in found
-    ]
-    small = sorted(n for n in small if n not in weights and n != config)
-    for name in small:
-        with open(os.path.join(folder, name), "rb") as f:
-            writer.put(name.replace(os.sep, "/"), f.read())
-    stale = sorted(set(existing) - weights - set(small) - {config})
-    if stale:
-        writer.delete(stale)
-    with open(os.path.join(folder, config), "rb") as f:
-        writer.put(config, f.read())
 
 

@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("source", help="A KerasHub preset or Hugging Face checkpoint (directory or handle).")
-    add("target", help="The directory to create.")
+    add("target", help="The directory to create, or a bucket prefix (s3://bucket/prefix, gs://bucket/prefix).")
     add("--to", required=True, choices=("keras", "huggingface"), help="The target format.")
     add("--dtype", default=None, help="Dtype of the floating-point weights. Default: the source's own.")
     add(

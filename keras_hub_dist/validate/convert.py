@@ -62,13 +62,17 @@ from keras_hub_dist.formats.detect import checkpoint_format
 from keras_hub_dist.formats.pieces import NotAffine, Piece, block_writes, identity, pieces_of
 from keras_hub_dist.storage.locations import Location, is_remote, is_url, open_location
 from keras_hub_dist.storage.ranged_http import RangeClient
+from keras_hub_dist.storage.uploads import WRITE_SCHEMES, is_writable_url, open_writer
+from keras_hub_dist.formats.safetensors_files import INDEX_FILE
 from keras_hub_dist.formats.safetensors_writer import plan_files
 from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
 from keras_hub_dist.load.tasks import task_class
 from keras_hub_dist.plan.abstract import build_without_values
-from keras_hub_dist.save import hf_export, saver, staging
+from keras_hub_dist.save import hf_export, remote_save, saver, staging
+from keras_hub_dist.save.hf_files import write_hf_files
 from keras_hub_dist.save.hf_mapping import hf_mapping
 from keras_hub_dist.save.piece_write import PieceWriter
+from keras_hub_dist.validate import convert_remote
 
 __all__ = ["TILE_BYTES", "ConvertStats", "convert_checkpoint", "tiles"]
 
@@ -145,10 +149,10 @@ def _keeps_order(pieces: Sequence[Piece]) -> bool:
 class _Worker:
     """One converting thread: its files, its read buffer, its write buffer."""
 
-    def __init__(self, on_written: Callable[[str, Any], None] | None) -> None:
+    def __init__(self, on_written: Callable[[str, Any], None] | None, files: Any = None) -> None:
         self.reads = host_io.Readers()
         self.writer = PieceWriter(
-            host_io.FileDescriptors(os.O_WRONLY), on_written=on_written,
+            files if files is not None else host_io.FileDescriptors(os.O_WRONLY), on_written=on_written,
             transpose_device=jax.local_devices(backend="cpu")[0],
         )
         self.buffer = host_io.aligned_empty((TILE_BYTES,), np.uint8)
@@ -183,15 +187,20 @@ class _Worker:
         self.writer.files.close()
 
 
-def _run(jobs: Sequence[_Job], num_threads: int, stats: ConvertStats, bar: Any, hasher: Any) -> None:
-    """Converts every tile of every job on `num_threads` threads (reads,
-    copies and positioned writes release the GIL: one thread reads while
-    another transposes)."""
-    items = iter([
-        (job, box) for job in jobs for box in tiles(job.shape, job.dtype.itemsize, rows_only=job.keeps_order)
-    ])
+def _items(jobs: Sequence[_Job]) -> list[tuple[_Job, Index]]:
+    """Every tile of every job."""
+    return [(job, box) for job in jobs for box in tiles(job.shape, job.dtype.itemsize, rows_only=job.keeps_order)]
+
+
+def _run(
+    items: Iterator[tuple[_Job, Index]], num_threads: int, stats: ConvertStats, bar: Any,
+    on_written: Callable[[str, Any], None] | None, files: Any = None,
+) -> None:
+    """Converts every tile on `num_threads` threads (reads, copies and
+    positioned writes release the GIL: one thread reads while another
+    transposes), into local files or the shared `files` (a bucket's parts)."""
     lock = threading.Lock()
-    workers = [_Worker(hasher.written) for _ in range(max(1, num_threads))]
+    workers = [_Worker(on_written, files) for _ in range(max(1, num_threads))]
 
     def work(worker: _Worker) -> None:
         while True:
@@ -264,7 +273,9 @@ def convert_checkpoint(
             a KerasHub handle (`"kaggle://..."`), or a remote location read
             by byte ranges (`"s3://..."`, `"gs://..."`, `"hf://..."`,
             `"https://..."`), as `load_sharded_preset` takes.
-        target: The directory to create.
+        target: The directory to create, or a bucket's prefix
+            (`"s3://bucket/prefix"`, `"gs://bucket/prefix"`: uploaded in
+            parts as converted, with no local copy; `validate.convert_remote`).
         to: `"keras"` or `"huggingface"`.
         dtype: Dtype of the floating-point weights (cast tile by tile);
             default: the source's own (unlike `from_preset`, which uses
@@ -290,19 +301,24 @@ def convert_checkpoint(
     if to not in TARGETS:
         raise SaveError(f"Expected to= one of {TARGETS}. Received: to={to!r}.")
     wanted_dtype = hf_export.check_dtype(dtype, to)
-    if isinstance(target, str) and is_url(target):  # never a local path
+    remote = isinstance(target, str) and is_url(target)  # never a local path
+    if remote and not is_writable_url(target):
         raise SaveError(
-            f"Expected target to be a local directory. Received: {target!r}. Converting into "
-            "object storage is not supported yet: convert to a local directory, or load the "
-            "source and save it with save_sharded_preset(model, url)."
+            f"Expected target to be a local directory or an object store URL "
+            f"({', '.join(s + '://' for s in WRITE_SCHEMES)}). Received: {target!r}. "
+            + ("Pushing to the Hugging Face Hub is not supported: convert to a local directory, "
+               "then upload it with `huggingface-cli upload`." if target.lower().startswith("hf://")
+               else "Convert to a local directory or a bucket.")
         )
     resolved = resolve_source(source)
-    client = RangeClient() if is_remote(resolved.ref) else None
+    client = RangeClient() if is_remote(resolved.ref) or remote else None
     try:
         with open_location(resolved.ref, resolved.label, client=client) as location, host_io.collector_paused():
+            destination = target if remote else os.path.abspath(os.fspath(target))
+            writer = open_writer(target, client) if remote else None
             return _convert(
-                location, resolved.label, os.path.abspath(os.fspath(target)), to, dtype, wanted_dtype,
-                task, overwrite, progress, max_shard_size, num_threads,
+                location, resolved.label, destination, to, dtype, wanted_dtype,
+                task, overwrite, progress, max_shard_size, num_threads, writer,
             )
     finally:
         if client is not None:
@@ -312,6 +328,7 @@ def convert_checkpoint(
 def _convert(
     location: Location, label: str, destination: str, to: str, dtype: Any, wanted_dtype: np.dtype | None,
     task: str | None, overwrite: bool, progress: bool | None, max_shard_size: Any, num_threads: int,
+    writer: Any = None,
 ) -> ConvertStats:
     config = read_config(location)
     checkpoint = checkpoint_format(config, label)
@@ -321,7 +338,8 @@ def _convert(
             f"{'Hugging Face checkpoint' if to == 'keras' else 'KerasHub preset'} to convert "
             "to it; copy the directory instead."
         )
-    saver.claim_target(destination, overwrite)
+    if writer is None:  # a bucket is claimed by `RemoteTarget`, once the plan is made
+        saver.claim_target(destination, overwrite)
     backbone_cls, backbone_config = checkpoint.backbone_config(config, label)
     model_dtype = dtype if dtype is not None else _source_dtype(config, checkpoint, backbone_config)
     backbone, created = build_without_values(backbone_cls, {**backbone_config, "dtype": model_dtype})
@@ -333,7 +351,7 @@ def _convert(
         convert = _to_huggingface if to == "huggingface" else _to_keras
         return convert(
             backbone, task_model, sources, datasets, destination, wanted_dtype, progress,
-            max_shard_size, num_threads,
+            max_shard_size, num_threads, writer, overwrite,
         )
     finally:
         _compat.forget_deferred_variables(created)
@@ -342,18 +360,15 @@ def _convert(
 def _to_huggingface(
     backbone: Any, task: Any, sources: dict[int, TensorSource], datasets: dict[str, Any],
     destination: str, dtype: np.dtype | None, progress: bool | None, max_shard_size: Any,
-    num_threads: int,
+    num_threads: int, writer: Any = None, overwrite: bool = False,
 ) -> ConvertStats:
     tokenizer = getattr(getattr(task, "preprocessor", None), "tokenizer", None)
     mapping = hf_mapping(backbone, tokenizer=tokenizer, dtype=dtype)
     layout = plan_files(mapping.tensors, hf_export.shard_size(max_shard_size))
     specs = {t.name: t for t in layout.tensors}
-    token = secrets.token_hex(6)
-    folder = staging.staging_path(*os.path.split(destination), token)
-    paths = [os.path.join(folder, f.name) for f in layout.files]
     stats = ConvertStats()
-    try:
-        hf_export.prepare_export(destination, token, False, layout, backbone, task, mapping)
+
+    def jobs_in(folder: str) -> list[_Job]:
         jobs = []
         for name, pairs in mapping.pieces.items():
             source = sources[id(datasets[name])]
@@ -365,12 +380,53 @@ def _to_huggingface(
                 mapping.shapes[name], np.dtype(source.dtype), source.read, tuple(targets),
                 _keeps_order([p for _, p in pairs]), source.stored,
             ))
+        return jobs
+
+    if writer is not None:
+        with convert_remote.RemoteTarget(writer, overwrite) as target:
+            write_hf_files(target.folder, backbone, task, mapping.config)
+            names = [f.name for f in layout.files]
+            headers = {f.name: f.header for f in layout.files}
+
+            def prefill(name: str, start: int, stop: int, buffer: np.ndarray) -> int:
+                header = headers[name][start:stop]  # a safetensors file's only non-value bytes
+                buffer[: len(header)] = np.frombuffer(header, np.uint8)
+                return len(header)
+
+            digests = _upload_all(target, jobs_in(""), [(f.name, f.size) for f in layout.files], names, prefill,
+                                  layout.total_size, progress, stats, num_threads)
+            paths = [os.path.join(target.folder, n) for n in names]
+            with open(os.path.join(target.folder, INDEX_FILE), "w", encoding="utf-8") as f:
+                f.write(hf_export.checksummed_index(layout, paths, digests))
+            target.publish(names, {"config": "config.json"})
+        return stats
+    token = secrets.token_hex(6)
+    folder = staging.staging_path(*os.path.split(destination), token)
+    paths = [os.path.join(folder, f.name) for f in layout.files]
+    try:
+        hf_export.prepare_export(destination, token, False, layout, backbone, task, mapping)
         pending = {os.path.join(folder, f.name): [(len(f.header), f.size)] for f in layout.files}
-        digests = _write_all(jobs, layout.total_size, destination, progress, stats, num_threads, pending, paths)
+        digests = _write_all(jobs_in(folder), layout.total_size, destination, progress, stats, num_threads,
+                             pending, paths)
         hf_export.finish_export(folder, destination, layout, paths, digests, token, False)
     finally:  # the owner record, and the staging directory unless published
         staging.discard(destination, token)
     return stats
+
+
+def _upload_all(
+    target: Any, jobs: Sequence[_Job], files: list[tuple[str, int]], order: list[str], prefill: Any,
+    total: int, progress: bool | None, stats: ConvertStats, num_threads: int,
+) -> np.ndarray:
+    """Converts every job into `target`'s uploads, tiles in the target
+    files' byte order (`validate.convert_remote`); returns the digests."""
+    items = convert_remote.ordered_items(jobs, _items(jobs), order)
+    bar = byte_progress(total, f"Converting to {target.writer.location}", progress)
+    try:
+        return target.upload(files, prefill, items, lambda it, sink: _run(it, num_threads, stats, bar, None, sink),
+                             num_threads)
+    finally:
+        bar.close()
 
 
 def _write_all(
@@ -388,7 +444,7 @@ def _write_all(
     hasher = checksums.HashingAsWritten(files, pending)
     bar = byte_progress(total, f"Converting to {os.path.basename(destination)}", progress)
     try:
-        _run(jobs, num_threads, stats, bar, hasher)
+        _run(iter(_items(jobs)), num_threads, stats, bar, hasher.written)
     finally:
         bar.close()
     return hasher.table()
@@ -407,7 +463,7 @@ def _stored_leaves(source: TensorSource) -> Iterator[StoredTensor]:
 def _to_keras(
     backbone: Any, task: Any, sources: dict[int, TensorSource], datasets: dict[str, Any],
     destination: str, dtype: np.dtype | None, progress: bool | None, max_shard_size: Any,
-    num_threads: int,
+    num_threads: int, writer: Any = None, overwrite: bool = False,
 ) -> ConvertStats:
     names = _compat.preset_file_names()
     limit = 10 if max_shard_size is None else max_shard_size
@@ -417,50 +473,67 @@ def _to_keras(
     )
     if task is not None and task.has_task_weights():
         raise SaveError("Expected a task without task weights (a causal LM). Received one with task weights.")
+    stats = ConvertStats()
+    if writer is not None:
+        with convert_remote.RemoteTarget(writer, overwrite) as target:
+            saver.write_preset_files(target.folder, backbone, task, [weight_set], names)
+            files = saver.weights_files_of(target.folder, [weight_set])
+            jobs, total = _keras_jobs(backbone, sources, datasets, weight_set, files)
+            order = list(files)
+            digests = _upload_all(target, jobs, [(f, os.path.getsize(f)) for f in files], order,
+                                  remote_save.Skeleton(files), total, progress, stats, num_threads)
+            saver.write_metadata(target.folder, backbone, files, digests, names)
+            target.publish(files, names)
+        return stats
     token = secrets.token_hex(6)
     folder = staging.staging_path(*os.path.split(destination), token)
-    stats = ConvertStats()
     try:
         saver.prepare_preset(destination, token, False, backbone, task, [weight_set], names)
-        weights = os.path.join(folder, weight_set.file_name)
-        on_disk = keras_h5.read_datasets(keras_h5.weights_files(weights))
-        leaves = {(t.file, t.offset): t for s in sources.values() for t in _stored_leaves(s)}
-        by_leaf: dict[tuple[str, int], list[tuple[str, Piece, int, np.dtype]]] = {}
-        jobs: list[_Job] = []
-        for name, variable in datasets.items():
-            info = on_disk[name]
-            target_dtype = np.dtype(info.dtype)
-            source = sources.get(id(variable))
-            if source is None:
-                # A buffer the checkpoint does not hold (SmolLM3's rotary
-                # inv_freq): its initial value, as a load gives it.
-                value = _initial_value(variable)
-                jobs.append(_Job(info.shape, value.dtype, lambda box, v=value: v[_slices(box)].copy(),
-                                 ((info.file, identity(("<value>", 0), info.shape), info.offset, target_dtype),), True))
-                continue
-            try:
-                pieces = pieces_of(source)
-            except NotAffine:  # e.g. MXFP4: converted in the variable's layout
-                whole = identity(("<value>", 0), info.shape)
-                jobs.append(_Job(info.shape, np.dtype(source.dtype), source.read,
-                                 ((info.file, whole, info.offset, target_dtype),), True))
-                continue
-            for piece in pieces:
-                by_leaf.setdefault(piece.leaf, []).append((info.file, piece, info.offset, target_dtype))
-        for key, targets in by_leaf.items():
-            leaf = leaves[key]
-            jobs.append(_Job(leaf.shape, leaf.dtype, leaf.read, tuple(targets),
-                             _keeps_order([p for _, p, _, _ in targets]), leaf))
-        total = sum(d.nbytes for d in weight_set.layout.datasets)
         files = saver.weights_files_of(folder, [weight_set])
+        jobs, total = _keras_jobs(backbone, sources, datasets, weight_set, files)
         pending: dict[str, list[tuple[int, int]]] = {}
-        for info in on_disk.values():
+        for info in keras_h5.read_datasets(keras_h5.weights_files(os.path.join(folder, weight_set.file_name))).values():
             pending.setdefault(info.file, []).append((info.offset, info.offset + info.nbytes))
         digests = _write_all(jobs, total, destination, progress, stats, num_threads, pending, files)
         saver.finish_preset(folder, destination, backbone, files, digests, token, names, False)
     finally:  # the owner record, and the staging directory unless published
         staging.discard(destination, token)
     return stats
+
+
+def _keras_jobs(
+    backbone: Any, sources: dict[int, TensorSource], datasets: dict[str, Any], weight_set: Any, files: list[str],
+) -> tuple[list[_Job], int]:
+    """The jobs that fill the laid-out weights files `files`, and their bytes."""
+    on_disk = keras_h5.read_datasets([f for f in files if f.endswith(".h5")])
+    leaves = {(t.file, t.offset): t for s in sources.values() for t in _stored_leaves(s)}
+    by_leaf: dict[tuple[str, int], list[tuple[str, Piece, int, np.dtype]]] = {}
+    jobs: list[_Job] = []
+    for name, variable in datasets.items():
+        info = on_disk[name]
+        target_dtype = np.dtype(info.dtype)
+        source = sources.get(id(variable))
+        if source is None:
+            # A buffer the checkpoint does not hold (SmolLM3's rotary
+            # inv_freq): its initial value, as a load gives it.
+            value = _initial_value(variable)
+            jobs.append(_Job(info.shape, value.dtype, lambda box, v=value: v[_slices(box)].copy(),
+                             ((info.file, identity(("<value>", 0), info.shape), info.offset, target_dtype),), True))
+            continue
+        try:
+            pieces = pieces_of(source)
+        except NotAffine:  # e.g. MXFP4: converted in the variable's layout
+            whole = identity(("<value>", 0), info.shape)
+            jobs.append(_Job(info.shape, np.dtype(source.dtype), source.read,
+                             ((info.file, whole, info.offset, target_dtype),), True))
+            continue
+        for piece in pieces:
+            by_leaf.setdefault(piece.leaf, []).append((info.file, piece, info.offset, target_dtype))
+    for key, targets in by_leaf.items():
+        leaf = leaves[key]
+        jobs.append(_Job(leaf.shape, leaf.dtype, leaf.read, tuple(targets),
+                         _keeps_order([p for _, p, _, _ in targets]), leaf))
+    return jobs, sum(d.nbytes for d in weight_set.layout.datasets)
 
 
 def _slices(box: Index) -> tuple[slice, ...]:

@@ -10,7 +10,9 @@ store's endpoint comes from the environment) and to OUT_DIR/local (a
 directory both processes share here), and writes
 `OUT_DIR/process_<id>.json` with what it uploaded and the error it raised,
 if any. MODE `fail_part`: process 1's second part upload raises (in the store's
-client, as a refused upload would).
+client, as a refused upload would). MODE `hf`: then also exports the model in
+the Hugging Face format to URL + "-hf" and to OUT_DIR/local_hf (the same
+job: each process starts Python, JAX and Keras once).
 """
 
 import json
@@ -64,9 +66,15 @@ def main() -> None:
         error = str(e)
     if mode != "fail_part":
         keras_hub_dist.save_sharded_preset(model, os.path.join(out_dir, "local"))
+    report = {"process_index": jax.process_index(), "uploaded": list(uploaded), "combined": list(combined),
+              "error": error}
+    if mode == "hf":
+        del uploaded[:], combined[:]
+        keras_hub_dist.save_sharded_preset(model, url.rstrip("/") + "-hf", format="huggingface")
+        keras_hub_dist.save_sharded_preset(model, os.path.join(out_dir, "local_hf"), format="huggingface")
+        report.update(uploaded_hf=uploaded, combined_hf=combined)
     with open(os.path.join(out_dir, f"process_{process_id}.json"), "w") as handle:
-        json.dump({"process_index": jax.process_index(), "uploaded": uploaded, "combined": combined,
-                   "error": error}, handle)
+        json.dump(report, handle)
 
 
 if __name__ == "__main__":

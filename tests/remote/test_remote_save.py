@@ -18,7 +18,7 @@ from conftest import MESH_SHAPES
 from keras_hub_dist import PresetError, SaveError, StaleStagingWarning
 from keras_hub_dist import load_sharded_preset, save_sharded_preset, write_synthetic_preset
 from keras_hub_dist.formats import checksums
-from keras_hub_dist.save import remote_save
+from keras_hub_dist.save import remote_publish, remote_save
 from keras_hub_dist.storage import uploads
 
 SMALL = dict(vocabulary_size=512, num_layers=2, num_query_heads=4, num_key_value_heads=2,
@@ -209,7 +209,7 @@ def test_killed_save_uploads_aborted_by_the_next(presets, store, monkeypatch):
     _, url, writer = store
     # 3 s, not less: the live record below is renewed every 0.75 s by a
     # thread, which a loaded 2-core host once starved for over a second.
-    monkeypatch.setattr(remote_save, "LEASE_SECONDS", 3.0)
+    monkeypatch.setattr(remote_publish, "LEASE_SECONDS", 3.0)
     dead = writer.create_upload("model.weights.h5")
     writer.put(".khd-save-deadbeef0000.json", json.dumps(
         {"host": "gone", "pid": 1, "uploads": {"model.weights.h5": dead}}).encode())
@@ -217,7 +217,7 @@ def test_killed_save_uploads_aborted_by_the_next(presets, store, monkeypatch):
     time.sleep(3.2)  # both leases lapse (the store's clock)
     model = load_sharded_preset(presets["small"], mesh=(1, 8), progress=False)
     # A save running elsewhere: its record renewed every LEASE_SECONDS / 4.
-    live = remote_save._OwnerRecord(writer, secrets.token_hex(6))
+    live = remote_publish.OwnerRecord(writer, secrets.token_hex(6))
     live.uploads = {"other.bin": writer.create_upload("other.bin")}
     live.start()
     try:
@@ -245,8 +245,8 @@ def test_bad_targets_fail_before_any_upload(presets, s3, tmp_path):
         save_sharded_preset(model, f"s3://{bucket}/p/config.json")
     with pytest.raises(SaveError, match="huggingface-cli upload"):
         save_sharded_preset(model, "hf://owner/name")
-    with pytest.raises(SaveError, match="not supported yet"):
-        save_sharded_preset(model, f"s3://{bucket}/q", format="huggingface")
+    with pytest.raises(SaveError, match="format to be one of"):
+        save_sharded_preset(model, f"s3://{bucket}/q", format="onnx")
     assert [n for n in uploads.open_writer(f"s3://{bucket}/q").list()] == []
 
 

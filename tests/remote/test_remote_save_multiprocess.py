@@ -1,7 +1,8 @@
 """Two processes x 4 devices save one model into S3 (moto) with no shared
 filesystem: each uploads only its own parts, about half the file each, the
-job the file once; the object is byte for byte the local save's; a failure
-on one process aborts every upload and publishes nothing."""
+job the file once; the object is byte for byte the local save's; the same
+for the Hugging Face export (in the same job); a failure on one process
+aborts every upload and publishes nothing."""
 
 import hashlib
 import json
@@ -28,7 +29,7 @@ def preset(tmp_path_factory):
     # the batch axis (the processes, on a 2 x 4 mesh) on the last axis of
     # the embedding and the down projections: their parts are mixed.
     return write_synthetic_preset(
-        str(tmp_path_factory.mktemp("mp_save") / "llama"), keras_hub.models.LlamaBackbone,
+        str(tmp_path_factory.mktemp("mp_save") / "llama"), keras_hub.models.Llama3Backbone,
         dtype="float32", seed=7, vocabulary_size=40_000, num_layers=2, num_query_heads=8,
         num_key_value_heads=8, hidden_dim=128, intermediate_dim=256)
 
@@ -45,7 +46,8 @@ def test_each_process_uploads_only_its_parts(preset, remote_target, tmp_path, me
     target = remote_target("s3")  # behind a proxy that logs every upload
     url = target.url
     keras.distribution.set_distribution(None)
-    reports = run_job(WORKER, 2, 4, [preset, mesh, url, tmp_path], tmp_path)
+    # The 2 x 4 job exports the Hugging Face format too.
+    reports = run_job(WORKER, 2, 4, [preset, mesh, url, tmp_path] + (["hf"] if mesh == "2x4" else []), tmp_path)
     assert [r["error"] for r in reports] == [None, None]
     writer = uploads.open_writer(url)
     remote = {n: writer.get(n) for n in writer.list() if not n.startswith(".")}
@@ -67,6 +69,25 @@ def test_each_process_uploads_only_its_parts(preset, remote_target, tmp_path, me
     # parts hold both processes' bytes and were combined, on both processes.
     if mesh == "2x4":
         assert reports[0]["combined"] and reports[0]["combined"] == reports[1]["combined"]
+        _check_hf_export(url, tmp_path, reports)
+
+
+def _check_hf_export(url, tmp_path, reports):
+    """The Hugging Face export: the local export's files byte for byte, each
+    part uploaded by one process, about half of the weights each."""
+    writer = uploads.open_writer(url.rstrip("/") + "-hf")
+    remote = {n: writer.get(n) for n in writer.list() if not n.startswith(".")}
+    local = _files(tmp_path / "local_hf")
+    assert sorted(remote) == sorted(local)
+    for name in local:
+        assert hashlib.sha256(remote[name]).digest() == hashlib.sha256(local[name]).digest(), name
+    parts = [{(name, k): n for name, k, n in r["uploaded_hf"]} for r in reports]
+    size = sum(len(v) for k, v in local.items() if k.endswith(".safetensors"))
+    assert not set(parts[0]) & set(parts[1]) and sum(sum(p.values()) for p in parts) == size
+    assert all(sum(p.values()) <= 0.55 * size for p in parts), ([sum(p.values()) for p in parts], size)
+    assert writer.list_uploads() == []
+    # The embedding's rows are split over the processes here too: combined.
+    assert reports[0]["combined_hf"] and reports[0]["combined_hf"] == reports[1]["combined_hf"]
 
 
 def test_a_failure_on_one_process_aborts_every_upload(preset, remote_target, tmp_path):
