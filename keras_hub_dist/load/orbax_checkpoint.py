@@ -42,6 +42,7 @@ import jax
 
 from keras_hub_dist.errors import CheckpointError
 from keras_hub_dist.load.restore_plan import Stored
+from keras_hub_dist.storage.locations import is_url
 
 __all__ = ["ITEM", "orbax_version", "read_arrays", "require_orbax", "resolve_step", "stored_arrays"]
 
@@ -71,7 +72,12 @@ def orbax_version() -> str:
 def _path(directory: Any) -> Any:
     from etils import epath  # an orbax-checkpoint dependency
 
-    return epath.Path(os.fspath(directory) if isinstance(directory, os.PathLike) else str(directory))
+    text = os.fspath(directory) if isinstance(directory, os.PathLike) else str(directory)
+    if not is_url(text):
+        # Orbax's TensorStore (OCDBT) reads arrays by absolute path only: under
+        # a relative one its metadata has no arrays at all (measured, 0.12.8).
+        text = os.path.abspath(text)
+    return epath.Path(text)
 
 
 def _names(path: Any) -> list[str]:

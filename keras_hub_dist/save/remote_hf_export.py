@@ -41,12 +41,10 @@ keras_hub_dist.load_sharded_preset("gs://my-bucket/gemma_hf", verify=True)
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import secrets
-import shutil
 import tempfile
 from typing import Any
 
@@ -75,8 +73,11 @@ from keras_hub_dist.save.remote_publish import (
     OwnerRecord,
     agreed_url,
     claim_remote,
+    finish_parts,
     memory_dir,
     publish,
+    publish_job,
+    release_job,
     start_uploads,
 )
 from keras_hub_dist.save.saver import _backbone_and_task, _guard, _model_error, _saved_array
@@ -153,27 +154,16 @@ def _export(
         digests, parts, error = _upload(writer, backbone, layout, uploads, plans, steps, progress, url,
                                         buffer_fraction)
         _processes.check_all(error, SaveError, f"Uploading the weights into {url!r} failed")
-        digests = _processes.sum_over_processes(digests)
-        every = [json.loads(b) for b in _processes.gather_bytes(json.dumps(parts).encode())]
-        if first:
-            merged = {n: sorted(tuple(p) for process in every for p in process.get(n, [])) for n in uploads}
 
-            def finish() -> None:
-                paths = [os.path.join(folder, n) for n in names]
-                with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
-                    f.write(checksummed_index(layout, paths, digests))
-                publish(writer, folder, paths, uploads, merged, found[0], {"config": "config.json"})
-                uploads.clear()
+        def finish(digests: np.ndarray, merged: dict[str, list]) -> None:
+            paths = [os.path.join(folder, n) for n in names]
+            with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
+                f.write(checksummed_index(layout, paths, digests))
+            publish(writer, folder, paths, uploads, merged, found[0], {"config": "config.json"})
 
-            error = _guard(finish)
-        _processes.check_all(error, SaveError, f"Publishing {url!r} failed")
+        publish_job(url, uploads, digests, parts, first, finish)
     finally:
-        if first:
-            for name, upload_id in uploads.items():  # not published: nothing stays billed
-                with contextlib.suppress(Exception):
-                    writer.abort_upload(name, upload_id)
-            owner.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+        release_job(writer, owner, uploads, folder, first)
 
 
 def _slab_bytes(part_bytes: int) -> int:
@@ -305,15 +295,7 @@ def _upload(
     _run_steps(backbone, plans[me], steps, sink, combiner, sizes, errors, progress, url)
     for name, size in sizes.items():  # parts no step writes (the header's alone), and any left
         combiner.advance(name, len(steps), size, size, errors)
-    error = errors[0] if errors else None
-    parts: dict[str, list[tuple[int, str]]] = {}
-    if error is None:
-        try:
-            parts = sink.finish()
-        except Exception as e:  # noqa: BLE001 - reported on every process
-            error = f"{type(e).__name__}: {e}"
-    if error is not None:
-        sink.abandon()
+    parts, error = finish_parts(sink, errors)
     return table, parts, error
 
 

@@ -40,6 +40,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -271,3 +272,52 @@ def publish(
         writer.delete(stale)
     with open(os.path.join(folder, config), "rb") as f:
         writer.put(config, f.read())
+
+
+def publish_job(
+    url: str, uploads: dict[str, str], digests: np.ndarray, parts: dict[str, list], first: bool,
+    finish: Any,
+) -> None:
+    """After every process uploaded its parts: sums the chunk digests over
+    the processes and gathers every process's parts; the first process then
+    runs `finish(digests, merged_parts)` (write the small files, `publish`).
+    Raises `SaveError` on every process if that failed."""
+    digests = _processes.sum_over_processes(digests)
+    every = [json.loads(b) for b in _processes.gather_bytes(json.dumps(parts).encode())]
+    error = None
+    if first:
+        merged = {n: sorted(tuple(p) for process in every for p in process.get(n, [])) for n in uploads}
+        try:
+            finish(digests, merged)
+            uploads.clear()
+        except Exception as e:  # noqa: BLE001 - reported on every process
+            error = f"{type(e).__name__}: {e}"
+    _processes.check_all(error, SaveError, f"Publishing {url!r} failed")
+
+
+def release_job(writer: Any, owner: OwnerRecord, uploads: dict[str, str], folder: str, first: bool) -> None:
+    """The end of a remote save, published or not: the uploads not
+    published are aborted (nothing stays billed), the owner record stops,
+    the local skeleton goes."""
+    if first:
+        for name, upload_id in uploads.items():
+            with contextlib.suppress(Exception):
+                writer.abort_upload(name, upload_id)
+        owner.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def finish_parts(sink: PartUploads, errors: list[str]) -> tuple[dict[str, list[tuple[int, str]]], str | None]:
+    """This process's uploaded parts per file, once its last part is sent,
+    and its first error as a message; after an error its parts are
+    abandoned (the uploads are aborted by the first process)."""
+    error = errors[0] if errors else None
+    parts: dict[str, list[tuple[int, str]]] = {}
+    if error is None:
+        try:
+            parts = sink.finish()
+        except Exception as e:  # noqa: BLE001 - reported on every process
+            error = f"{type(e).__name__}: {e}"
+    if error is not None:
+        sink.abandon()
+    return parts, error

@@ -64,12 +64,10 @@ keras_hub_dist.load_sharded_preset("s3://my-bucket/gemma_7b_tuned", verify=True)
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import secrets
-import shutil
 import tempfile
 from typing import Any
 
@@ -86,8 +84,11 @@ from keras_hub_dist.save.remote_publish import (
     OwnerRecord,
     agreed_url,
     claim_remote,
+    finish_parts,
     memory_dir,
     publish,
+    publish_job,
+    release_job,
     start_uploads,
 )
 from keras_hub_dist.save.saver import (
@@ -170,25 +171,14 @@ def _save(
             writer, folder, files, sizes, uploads, sets, requests, progress, url, buffer_fraction,
         )
         _processes.check_all(error, SaveError, f"Uploading the weights into {url!r} failed")
-        digests = _processes.sum_over_processes(digests)
-        every = [json.loads(b) for b in _processes.gather_bytes(json.dumps(parts).encode())]
-        if first:
-            merged = {n: sorted(tuple(p) for process in every for p in process.get(n, [])) for n in uploads}
 
-            def finish() -> None:
-                write_metadata(folder, backbone, files, digests, names)
-                publish(writer, folder, files, uploads, merged, found[0], names)
-                uploads.clear()
+        def finish(digests: np.ndarray, merged: dict[str, list]) -> None:
+            write_metadata(folder, backbone, files, digests, names)
+            publish(writer, folder, files, uploads, merged, found[0], names)
 
-            error = _guard(finish)
-        _processes.check_all(error, SaveError, f"Publishing {url!r} failed")
+        publish_job(url, uploads, digests, parts, first, finish)
     finally:
-        if first:
-            for name, upload_id in uploads.items():  # not published: nothing stays billed
-                with contextlib.suppress(Exception):
-                    writer.abort_upload(name, upload_id)
-            owner.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+        release_job(writer, owner, uploads, folder, first)
 
 
 def _lay_out(folder: str, backbone: Any, task: Any, sets: list[Any], names: dict[str, str]) -> tuple:
@@ -283,15 +273,7 @@ def _upload_weights(
     errors = [error] if error else []
     for path in files:  # parts no value has bytes in (the file's own), and any left
         combiner.advance(path, walked[0], sizes[path], sizes[path], errors)
-    error = errors[0] if errors else None
-    parts: dict[str, list[tuple[int, str]]] = {}
-    if error is None:
-        try:
-            parts = sink.finish()
-        except Exception as e:  # noqa: BLE001 - reported on every process
-            error = f"{type(e).__name__}: {e}"
-    if error is not None:
-        sink.abandon()
+    parts, error = finish_parts(sink, errors)
     return table, parts, error
 
 

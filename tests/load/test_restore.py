@@ -152,6 +152,16 @@ def test_an_earlier_step_and_a_step_directory(presets, trained):
     _assert_equal(_state(lm), states[2])
 
 
+def test_a_relative_directory(presets, trained, monkeypatch):
+    """Orbax reads arrays by absolute path only (a relative one gave "every
+    leaf ... NoneType" before the path was made absolute)."""
+    directory, _, states, _ = trained((2, 4))
+    monkeypatch.chdir(os.path.dirname(directory))
+    lm = _lm(presets["tiny"], (2, 4))
+    assert restore_checkpoint(lm, os.path.basename(directory), step=1) == 1
+    _assert_equal(_state(lm), states[1])
+
+
 def test_a_fit_step_after_restoring_equals_the_uninterrupted_one(presets, trained):
     directory, _, _, after = trained((2, 4))
     lm = _lm(presets["tiny"], (2, 4))
