@@ -391,3 +391,22 @@ def checkpoint_everywhere(local_dir: str, *, s3: MotoS3 | None, gcs: GcsEmulator
             url = f"{server.url}/{prefix}".rstrip("/")
             remotes["http"] = Remote("http", url, url, server, key_prefix, {}, f"{server.url}/{{key}}")
         yield remotes
+
+
+def fail_second_part(monkeypatch, writer) -> callable:
+    """Makes `writer`'s class fail the second part upload of a save (a
+    `SaveError` "injected by the test"); returns the real `upload_part`, to
+    put back with `monkeypatch.setattr(type(writer), "upload_part", real)`."""
+    from keras_hub_dist import SaveError
+
+    calls = []
+    real = type(writer).upload_part
+
+    def upload_part(self, name, upload_id, number, data):
+        calls.append(number)
+        if len(calls) == 2:
+            raise SaveError("injected by the test")
+        return real(self, name, upload_id, number, data)
+
+    monkeypatch.setattr(type(writer), "upload_part", upload_part)
+    return real

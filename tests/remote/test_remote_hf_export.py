@@ -4,7 +4,6 @@ order with bounded part buffers; config.json last; a failure aborts every
 upload and keeps the old preset; clear errors before any byte is uploaded."""
 
 import hashlib
-import os
 
 import keras_hub
 import numpy as np
@@ -16,6 +15,7 @@ from keras_hub_dist.formats import checksums
 from keras_hub_dist.save import hf_export
 from keras_hub_dist.save.hf_part_plan import peak_open_parts, plan_steps
 from keras_hub_dist.storage import uploads
+from remote import stores
 from tests.remote.test_remote_save import _bucket, _local_files, _objects
 
 # Over 20 MiB of float32 (an untied head beside the embedding): with 5 MiB
@@ -111,16 +111,7 @@ def test_failure_aborts_and_overwrite_replaces_a_keras_preset(models, store, sma
     model, local = models((2, 4))
     save_sharded_preset(model, url)  # a KerasHub preset in place
     old = _objects(writer)
-    calls = []
-    real = type(writer).upload_part
-
-    def upload_part(self, name, upload_id, number, data):
-        calls.append(number)
-        if len(calls) == 2:
-            raise SaveError("injected by the test")
-        return real(self, name, upload_id, number, data)
-
-    monkeypatch.setattr(type(writer), "upload_part", upload_part)
+    real = stores.fail_second_part(monkeypatch, writer)
     with pytest.raises(SaveError, match="injected by the test"):
         save_sharded_preset(model, url, format="huggingface", max_shard_size=0.012, overwrite=True)
     assert _objects(writer) == old and writer.list_uploads() == []

@@ -20,6 +20,7 @@ from keras_hub_dist import load_sharded_preset, save_sharded_preset, write_synth
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.save import remote_publish, remote_save
 from keras_hub_dist.storage import uploads
+from remote import stores
 
 SMALL = dict(vocabulary_size=512, num_layers=2, num_query_heads=4, num_key_value_heads=2,
              hidden_dim=64, intermediate_dim=128)
@@ -157,16 +158,7 @@ def test_failed_part_aborts_everything_and_keeps_the_old_preset(presets, store, 
     model = load_sharded_preset(presets["wide"], mesh=(2, 4), progress=False)
     save_sharded_preset(model, url)
     old = _objects(writer)
-    calls = []
-    real = type(writer).upload_part
-
-    def upload_part(self, name, upload_id, number, data):
-        calls.append(number)
-        if len(calls) == 2:
-            raise SaveError("injected by the test")
-        return real(self, name, upload_id, number, data)
-
-    monkeypatch.setattr(type(writer), "upload_part", upload_part)
+    stores.fail_second_part(monkeypatch, writer)
     with pytest.raises(SaveError, match="injected by the test"):
         save_sharded_preset(model, url, overwrite=True)
     assert _objects(writer) == old
