@@ -38,8 +38,9 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.formats import peft
+from keras_hub_dist.formats import checksums, peft
 from keras_hub_dist.formats.base import CheckpointIndex, Index, IndexedVariable, StoredTensorSource, TensorSource, listing, numpy_dtype
+from keras_hub_dist.formats.huggingface import checksum_metadata
 from keras_hub_dist.formats.safetensors_files import read_header
 from keras_hub_dist.formats.transforms import Transpose, reshape
 from keras_hub_dist.plan import lora_layers
@@ -211,20 +212,42 @@ def _factors(location: Any, label: str, config: peft.AdapterConfig, modules: dic
     return header, found
 
 
-def read_adapter(backbone: Any, index: CheckpointIndex, location: Any, label: str, merge: bool) -> tuple[CheckpointIndex, list[Any]]:
+def _verify(location: Any, label: str, header: Any, num_threads: int) -> None:
+    """Checks the weights file against the checksums `save_lora_adapter`
+    recorded beside it."""
+    recorded = checksum_metadata(location, peft.ADAPTER_INDEX)
+    if not recorded:
+        raise PresetError(
+            f"Cannot verify the adapter {label!r}: expected the checksums that "
+            f"`save_lora_adapter` records in {peft.ADAPTER_INDEX!r}. Received: an adapter "
+            f"without {'them' if location.has(peft.ADAPTER_INDEX) else 'that file'} (PEFT's "
+            "`save_pretrained` writes none). Load it with verify=False."
+        )
+    file = header.opened if header.opened is not None else header.file
+    checksums.verify_files([file], recorded, label, num_threads=num_threads)
+
+
+def read_adapter(
+    backbone: Any, index: CheckpointIndex, location: Any, label: str, merge: bool,
+    verify: bool = False, num_threads: int = 2,
+) -> tuple[CheckpointIndex, list[Any]]:
     """Adds the adapter at `location` to the load of `backbone` (see the
-    module): `(index, variables created without values)`.
+    module): `(index, variables created without values)`. With `verify`,
+    first checks its weights file against its recorded checksums.
 
     Raises:
         PresetError: No adapter there, a PEFT feature not computed here, a
             target module or module the model lacks, a tensor of another
-            shape (named, expected and received).
+            shape (named, expected and received); with `verify`, no
+            recorded checksums or a file that differs from them.
     """
     config = _read_config(location, label)
     family = type(backbone).__name__
     modules = {m.module: (layer, m) for layer, m in lora_modules(backbone)}
     _check_targets(config.target_modules, list(modules.values()), PresetError)
     header, found = _factors(location, label, config, modules, family)
+    if verify:
+        _verify(location, label, header, num_threads)
     description = f"{label}/{peft.ADAPTER_WEIGHTS}"
 
     def sources(module: str) -> tuple[TensorSource, TensorSource]:

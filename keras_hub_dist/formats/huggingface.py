@@ -99,14 +99,15 @@ def recognizes(config: Mapping[str, Any]) -> bool:
     return "model_type" in config and "registered_name" not in config
 
 
-def checksum_metadata(location: Any) -> dict[str, Any]:
+def checksum_metadata(location: Any, index_file: str = INDEX_FILE) -> dict[str, Any]:
     """The `metadata` of the checkpoint's `model.safetensors.index.json`
     (where `save_sharded_preset(..., format="huggingface")` records the
-    files' checksums), or `{}` without an index. `location`: a
-    `storage.locations.Location`."""
-    if not location.has(INDEX_FILE):
+    files' checksums; `save_lora_adapter` writes the same into
+    `index_file` `adapter_model.safetensors.index.json`), or `{}` without
+    it. `location`: a `storage.locations.Location`."""
+    if not location.has(index_file):
         return {}
-    index = parse_json(location.read_bytes(INDEX_FILE), location.path_of(INDEX_FILE))
+    index = parse_json(location.read_bytes(index_file), location.path_of(index_file))
     metadata = index.get("metadata") if isinstance(index, dict) else None
     return metadata if isinstance(metadata, dict) else {}
 

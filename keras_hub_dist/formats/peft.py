@@ -43,6 +43,9 @@ __all__ = [
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Not PEFT's: where `save_lora_adapter` records the weights file's checksums
+# (as the Hugging Face export does in `model.safetensors.index.json`).
+ADAPTER_INDEX = ADAPTER_WEIGHTS + ".index.json"
 _PREFIX = "base_model.model."
 
 # PEFT options whose non-default values change what the adapter computes,

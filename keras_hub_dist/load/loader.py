@@ -165,7 +165,9 @@ def load_sharded_preset(
             `save_sharded_preset` recorded (in metadata.json, or in a
             Hugging Face checkpoint's `model.safetensors.index.json`) before any
             device memory is used (a full read of the files, split over the
-            processes). A preset without checksums is an error then.
+            processes). A preset without checksums is an error then, and
+            so is an adapter (`lora_adapter`) without those that
+            `save_lora_adapter` records.
         concurrency: Range requests in flight at once for a remote preset
             (each at most 16 MiB).
         cache_dir: For a remote preset, where the small files KerasHub's
@@ -277,8 +279,9 @@ class _Options:
     merge: bool = False
 
 
-# The reader of `lora_adapter=`: `(backbone, index, location, label, merge)
-# -> (index with the adapter's variables, variables it created)`. It lives
+# The reader of `lora_adapter=`: `(backbone, index, location, label, merge,
+# verify, num_threads) -> (index with the adapter's variables, variables it
+# created)`. It lives
 # above this room (it maps projections with the Hugging Face export's
 # mapping, in `save/`) and registers itself when the package is imported.
 _ADAPTER_READERS: list[Any] = []
@@ -351,15 +354,17 @@ def _load_from(
     quantizing = None
     try:
         index = checkpoint.index_checkpoint(backbone, location, source.label, config)
-        if adapter is not None:
-            index, created = _ADAPTER_READERS[0](backbone, index, adapter[1], adapter[0].label, options.merge)
-            deferred = list(deferred) + list(created)
         if options.verify:
             # A Hugging Face checkpoint records them in its index's metadata.
             recorded = getattr(checkpoint, "checksum_metadata", lambda location: metadata)(location)
             checksums.verify_files(
                 index.opened or index.files, recorded, source.label, num_threads=read_ahead
             )
+        if adapter is not None:  # verified against its own checksums
+            index, created = _ADAPTER_READERS[0](
+                backbone, index, adapter[1], adapter[0].label, options.merge, options.verify, read_ahead
+            )
+            deferred = list(deferred) + list(created)
         if layout_map is None:
             resolved_map = default_layout_map(backbone, device_mesh, model_axis, data_axis)
         else:

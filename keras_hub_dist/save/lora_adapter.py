@@ -77,7 +77,7 @@ from keras_hub_dist.storage.locations import is_url
 
 __all__ = ["INDEX_FILE", "adapter_mapping", "save_lora_adapter"]
 
-INDEX_FILE = peft.ADAPTER_WEIGHTS + ".index.json"
+INDEX_FILE = peft.ADAPTER_INDEX
 
 
 def _strides(sizes: list[int]) -> list[int]:

@@ -268,3 +268,30 @@ def test_adapter_from_the_hub(root, tmp_path, monkeypatch):
         backbone = keras_hub_dist.load_sharded_preset(
             hf, mesh=(2, 4), progress=False, lora_adapter="hf://someone/qwen3-lora")
     _assert_close(_logits(_causal_lm(backbone)), expected, "qwen3", root)
+
+
+def test_verify_checks_the_adapter_too(root, tmp_path, clean_state):
+    """`verify=True` checks a saved adapter against its own checksums: a
+    flipped byte is named, and a PEFT adapter (no checksums) is refused."""
+    _, cases = root
+    hf, adapter, _ = cases["llama"]
+    base = str(tmp_path / "base")
+    keras_hub_dist.save_sharded_preset(
+        keras_hub_dist.load_sharded_preset(hf, mesh=(1, 8), progress=False), base, format="huggingface")
+    first = keras_hub_dist.load_sharded_preset(hf, mesh=(1, 8), progress=False, lora_adapter=adapter)
+    saved = str(tmp_path / "saved")
+    keras_hub_dist.save_lora_adapter(first, saved, progress=False)
+    again = keras_hub_dist.load_sharded_preset(base, mesh=(2, 4), progress=False, lora_adapter=saved, verify=True)
+    assert {p: np.asarray(v.value).tobytes() for p, v in _lora_variables(again).items()} == {
+        p: np.asarray(v.value).tobytes() for p, v in _lora_variables(first).items()}
+    keras.distribution.set_distribution(None)  # the loads above set one
+    with clean_state(), pytest.raises(PresetError, match="save_pretrained` writes none"):
+        keras_hub_dist.load_sharded_preset(base, mesh=(2, 4), progress=False, lora_adapter=adapter, verify=True)
+    weights = os.path.join(saved, "adapter_model.safetensors")
+    with open(weights, "r+b") as f:
+        f.seek(os.path.getsize(weights) - 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    with clean_state(), pytest.raises(PresetError, match="adapter_model.safetensors"):
+        keras_hub_dist.load_sharded_preset(base, mesh=(2, 4), progress=False, lora_adapter=saved, verify=True)
