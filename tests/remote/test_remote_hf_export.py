@@ -4,15 +4,17 @@ order with bounded part buffers; config.json last; a failure aborts every
 upload and keeps the old preset; clear errors before any byte is uploaded."""
 
 import hashlib
+import json
+import time
 
 import keras_hub
 import numpy as np
 import pytest
 from conftest import MESH_SHAPES
 
-from keras_hub_dist import SaveError, load_sharded_preset, save_sharded_preset, write_synthetic_preset
+from keras_hub_dist import SaveError, StaleStagingWarning, load_sharded_preset, save_sharded_preset, write_synthetic_preset
 from keras_hub_dist.formats import checksums
-from keras_hub_dist.save import hf_export
+from keras_hub_dist.save import hf_export, remote_publish
 from keras_hub_dist.save.hf_part_plan import peak_open_parts, plan_steps
 from keras_hub_dist.storage import uploads
 from remote import stores
@@ -118,6 +120,27 @@ def test_failure_aborts_and_overwrite_replaces_a_keras_preset(models, store, sma
     monkeypatch.setattr(type(writer), "upload_part", real)
     save_sharded_preset(model, url, format="huggingface", max_shard_size=0.012, overwrite=True)
     _assert_same(_objects(writer), local)  # the old preset's files are gone
+
+
+def test_killed_export_uploads_aborted_by_the_next(models, store, small_parts, monkeypatch):
+    """An export killed outright left a recorded upload and an unrecorded
+    one: the next export to the target aborts both, names them, and writes
+    the local export's files."""
+    _, url, writer = store
+    model, local = models((2, 4))
+    monkeypatch.setattr(remote_publish, "LEASE_SECONDS", 3.0)  # 3 s: see test_remote_save
+    dead = writer.create_upload("model-00001-of-00002.safetensors")
+    writer.put(".khd-save-0badc0ffee00.json", json.dumps(
+        {"host": "gone", "pid": 1, "uploads": {"model-00001-of-00002.safetensors": dead}}).encode())
+    writer.create_upload("model-00002-of-00002.safetensors")  # no record claims it
+    time.sleep(3.2)  # both leases lapse (the store's clock)
+    with pytest.warns(StaleStagingWarning) as warned:
+        save_sharded_preset(model, url, format="huggingface", max_shard_size=0.012, progress=False)
+    text = str(warned[0].message)
+    assert f"'model-00001-of-00002.safetensors' ({dead[:12]}" in text and "0badc0ffee00" in text, text
+    assert "'model-00002-of-00002.safetensors' started" in text, text
+    assert writer.list_uploads() == []
+    _assert_same(_objects(writer), local)
 
 
 def test_bad_targets_fail_before_any_upload(models, s3):
