@@ -16,6 +16,22 @@ timed). The store is moto's S3 server on loopback, in a process of its own
 - `floor`: boto3's `upload_fileobj` of one in-memory buffer of the weights'
   size (64 MiB parts, 10 threads): what the store ingests at best.
 
+With `--link-rate` the cases reach moto through the project's throttled
+server (`tests/remote/servers.py`, a proxy in a process of its own) that
+caps each client address at that many bytes/s, both ways, with `--latency`
+before each response: the network, not this machine's CPU or moto's ingest,
+is then what bounds an upload. With `--disk-rate` (root, cgroup v1 `blkio`)
+the `local_upload` case runs in a cgroup whose writes to the work
+directory's disk are capped at that rate, and its local save is
+`durable=True`, so its bytes reach the disk before the upload starts.
+Without the fsync a 3.8 GB preset stays in this 24 GB machine's page cache;
+on a host saving a share larger than its dirty-page limit (20% of RAM by
+default) the kernel holds the writer to the disk's rate the same way. What
+`--link-rate R --disk-rate R` stands for: a host whose local disk writes no
+faster than its link to the bucket (a TPU VM's network-attached boot disk
+is slower than its NIC): the local path pays the disk and the link one after
+the other, ours only the link.
+
 Measured per case: wall of the save (or save + upload), CPU seconds, host
 RSS growth (peak during the case over the RSS after the load), bytes the
 process wrote to disk (`write_bytes` of /proc/self/io), bytes uploaded; with
@@ -27,6 +43,8 @@ Usage (heavy: run under the machine's heavy-job lock):
     flock /tmp/khd-heavy.lock python benchmarks/bench_remote_save.py --config width1 --format huggingface \
         --cases ours,local_upload --repeats 1 --memory          # the Hugging Face export
     python benchmarks/bench_remote_save.py --config small --repeats 1   # smoke run
+    flock /tmp/khd-heavy.lock python benchmarks/bench_remote_save.py --config small --cases ours,local_upload \
+        --link-rate 20e6 --latency 0.02 --disk-rate 20e6 --repeats 3   # a link and a disk of 20 MB/s
 """
 
 from __future__ import annotations
@@ -107,6 +125,11 @@ def run_case(args) -> None:
 
     os.environ.update(AWS_ENDPOINT_URL=args.endpoint, AWS_ACCESS_KEY_ID="testing",
                       AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    durable = False
+    if args.cgroup and args.case == "local_upload":
+        with open(os.path.join(args.cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        durable = True
     model = None
     if args.case != "floor":
         model = keras_hub_dist.load_sharded_preset(args.preset, mesh=(1, 8), progress=False)
@@ -128,7 +151,7 @@ def run_case(args) -> None:
         from boto3.s3.transfer import TransferConfig
 
         local = os.path.join(args.workdir, f"local-{args.run}")
-        keras_hub_dist.save_sharded_preset(model, local, format=args.format)
+        keras_hub_dist.save_sharded_preset(model, local, format=args.format, durable=durable)
         client = _s3_client(args.endpoint)
         config = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, max_concurrency=10)
         for root, _, names in os.walk(local):
@@ -168,6 +191,21 @@ def run_case(args) -> None:
     os._exit(0)
 
 
+def _throttled_disk(workdir: str, rate: float) -> str:
+    """A cgroup v1 `blkio` group whose writes to `workdir`'s disk are capped
+    at `rate` bytes/s (its path; the caller removes it)."""
+    root = "/sys/fs/cgroup/blkio"
+    if os.geteuid() != 0 or not os.path.isdir(root):
+        raise SystemExit(f"--disk-rate needs root and cgroup v1 blkio at {root}; received uid "
+                         f"{os.geteuid()}, {root} {'present' if os.path.isdir(root) else 'absent'}")
+    device = os.stat(workdir).st_dev
+    group = os.path.join(root, f"keras_hub_dist_bench_{os.getpid()}")
+    os.makedirs(group, exist_ok=True)
+    with open(os.path.join(group, "blkio.throttle.write_bps_device"), "w") as f:
+        f.write(f"{os.major(device)}:{os.minor(device)} {int(rate)}")
+    return group
+
+
 def _median(values: list[float]) -> float:
     values = sorted(values)
     return values[len(values) // 2] if len(values) % 2 else sum(values[len(values) // 2 - 1:][:2]) / 2
@@ -185,6 +223,10 @@ def main() -> None:
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--link-rate", type=float, help="bytes/s per client address, through the throttled proxy")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds before each response (with --link-rate)")
+    parser.add_argument("--disk-rate", type=float, help="bytes/s of local_upload's disk writes (root, cgroup v1)")
+    parser.add_argument("--cgroup", help=argparse.SUPPRESS)
     parser.add_argument("--run", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -196,7 +238,18 @@ def main() -> None:
     preset = probe(args.workdir, args.config)
     server = subprocess.Popen([sys.executable, __file__, "--serve"], env=_env(), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
-    endpoint = server.stdout.readline().strip()
+    endpoint = upstream = server.stdout.readline().strip()
+    proxy = group = None
+    if args.link_rate:
+        proxy = subprocess.Popen(
+            [sys.executable, os.path.join(REPO, "tests", "remote", "servers.py"), "--upstream", upstream,
+             "--flavor", "s3", "--rate-per-address", str(args.link_rate), "--latency", str(args.latency)],
+            env=_env(), stdout=subprocess.PIPE, text=True)
+        endpoint = json.loads(proxy.stdout.readline())["endpoint"]
+    extra = []
+    if args.disk_rate:
+        group = _throttled_disk(args.workdir, args.disk_rate)
+        extra = ["--cgroup", group]
     cases = [c for c in args.cases.split(",") if c]
     results: dict[str, list[dict]] = {c: [] for c in cases}
     try:
@@ -206,9 +259,9 @@ def main() -> None:
                 run += 1
                 command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
                            "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run),
-                           "--format", args.format]
+                           "--format", args.format, *extra]
                 result = run_capped(command, 0)
-                _empty_bucket(endpoint)  # moto keeps objects in memory
+                _empty_bucket(upstream)  # moto keeps objects in memory
                 results[case].append(result)
                 print(case, repeat, json.dumps({k: v for k, v in result.items() if k != "stderr_tail"}),
                       flush=True)
@@ -219,18 +272,25 @@ def main() -> None:
                 run += 1
                 command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
                            "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run), "--memory",
-                           "--format", args.format]
+                           "--format", args.format, *extra]
                 results[f"{case}_mem"] = [run_capped(command, 0)]
-                _empty_bucket(endpoint)
+                _empty_bucket(upstream)
     finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(30)
         server.stdin.close()
         server.wait(30)
+        if group is not None:
+            os.rmdir(group)
         if not args.keep:
             shutil.rmtree(preset, ignore_errors=True)
     ok = {c: [r for r in rs if "wall_s" in r and not r.get("failed")] for c, rs in results.items()}
     wall = {c: _median([r["wall_s"] for r in rs]) for c, rs in ok.items() if rs}
     weights = ok["ours"][0]["weights_bytes"] if ok["ours"] else 0
-    print(f"\nconfig {args.config}, format {args.format}: weights {weights / 1e9:.2f} GB, medians of {args.repeats}")
+    print(f"\nconfig {args.config}, format {args.format}: weights {weights / 1e9:.2f} GB, medians of {args.repeats}"
+          + (f"; link {args.link_rate / 1e6:g} MB/s per client, latency {args.latency * 1e3:g} ms" if args.link_rate else "")
+          + (f"; local_upload's disk {args.disk_rate / 1e6:g} MB/s, durable" if args.disk_rate else ""))
     print(f"{'case':<14}{'wall s':>9}{'vs ours':>9}{'MB/s':>8}{'cpu s':>8}{'RSS growth/model':>18}{'disk written':>14}")
     for case, rs in ok.items():
         if not rs or case.endswith("_mem"):

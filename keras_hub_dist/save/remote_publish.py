@@ -186,8 +186,10 @@ class OwnerRecord:
                 self.writer.delete([self.name])
 
 
-# Mixed parts are summed over the processes this many bytes at a time.
-COMBINE_BYTES = 8 << 20
+# Mixed parts are summed over the processes this many bytes at a time: each
+# device holds 2 x COMBINE_BYTES / (its process's devices) meanwhile (1 MiB
+# with 4 devices a process).
+COMBINE_BYTES = 2 << 20
 
 
 class Combiner:
@@ -239,7 +241,7 @@ def reduce_on(owner: int, me: int) -> Any:
         for start in range(0, length, COMBINE_BYTES):
             stop = min(length, start + COMBINE_BYTES)
             mine = buffer[start:stop] if buffer is not None else np.zeros(stop - start, np.uint8)
-            summed = _processes.sum_over_processes(mine)
+            summed = _processes.sum_disjoint_bytes(mine)
             if out is not None:
                 out[start:stop] = summed
         return out

@@ -47,12 +47,12 @@ the only process with bytes in it, or else the least loaded one
 bytes several processes hold (a value split across processes along an axis
 other than its first: its blocks are strided in the file) is combined on
 its owner first: each process fills a zeroed buffer with its own bytes of
-the part and the buffers are summed over the processes in 8 MiB slices
-(`_processes.sum_over_processes`; the bytes are disjoint, so the sum is the
+the part and the buffers are summed over the processes in 2 MiB slices
+(`_processes.sum_disjoint_bytes`; the bytes are disjoint, so the sum is the
 part), right after the last value with bytes in it is written. That costs
-the interconnect each process's mixed bytes times the process count (an
-all-gather, not an all-to-all) and each device at most `P x 8 MiB` for a
-moment; a layout whose processes hold contiguous ranges combines nothing.
+the interconnect an all-reduce of the mixed bytes and each device
+`2 x 2 MiB / (its process's devices)` for a moment (a slice spread over
+them); a layout whose processes hold contiguous ranges combines nothing.
 
 Example:
 

@@ -9,7 +9,9 @@ PRESET sharded over the global mesh MESH ("BxM"), saves it to URL (the
 store's endpoint comes from the environment) and to OUT_DIR/local (a
 directory both processes share here), and writes
 `OUT_DIR/process_<id>.json` with what it uploaded and the error it raised,
-if any. MODE `fail_part`: process 1's second part upload raises (in the store's
+if any, and `combine_extra`: the most bytes a device held beyond the
+model's at the moment a mixed part's slice was summed (inputs and output
+live). MODE `fail_part`: process 1's second part upload raises (in the store's
 client, as a refused upload would). MODE `hf`: then also exports the model in
 the Hugging Face format to URL + "-hf" and to OUT_DIR/local_hf (the same
 job: each process starts Python, JAX and Keras once).
@@ -59,6 +61,28 @@ def main() -> None:
     part_uploads.PartUploads.combine = counting_combine
     batch, model_axis = (int(x) for x in mesh_arg.split("x"))
     model = keras_hub_dist.load_sharded_preset(preset, mesh=(batch, model_axis), progress=False)
+
+    # Device bytes beyond the model's, read at the event: right after a
+    # slice's sum, while its inputs and output are both live.
+    from keras_hub_dist import _processes
+    from keras_hub_dist.measure.memory import live_bytes_per_device
+
+    held = live_bytes_per_device(devices=jax.local_devices())
+    combine_extra = []
+    real_summer = _processes._word_summer
+
+    def watched_summer(*args):
+        mesh, summer = real_summer(*args)
+
+        def run(words):
+            out = jax.block_until_ready(summer(words))
+            live = live_bytes_per_device(devices=jax.local_devices())
+            combine_extra.append(max(live[d] - held[d] for d in live))
+            return out
+
+        return mesh, run
+
+    _processes._word_summer = watched_summer
     error = None
     try:
         keras_hub_dist.save_sharded_preset(model, url)
@@ -67,7 +91,7 @@ def main() -> None:
     if mode != "fail_part":
         keras_hub_dist.save_sharded_preset(model, os.path.join(out_dir, "local"))
     report = {"process_index": jax.process_index(), "uploaded": list(uploaded), "combined": list(combined),
-              "error": error}
+              "error": error, "combine_extra": max(combine_extra, default=0)}
     if mode == "hf":
         del uploaded[:], combined[:]
         keras_hub_dist.save_sharded_preset(model, url.rstrip("/") + "-hf", format="huggingface")

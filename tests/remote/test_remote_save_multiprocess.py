@@ -15,6 +15,7 @@ import keras_hub
 import pytest
 
 from keras_hub_dist import write_synthetic_preset
+from keras_hub_dist.save import remote_publish
 from keras_hub_dist.storage import uploads
 from tests.multiprocess_jobs import run_job
 
@@ -69,6 +70,9 @@ def test_each_process_uploads_only_its_parts(preset, remote_target, tmp_path, me
     # parts hold both processes' bytes and were combined, on both processes.
     if mesh == "2x4":
         assert reports[0]["combined"] and reports[0]["combined"] == reports[1]["combined"]
+        # Each slice spread over a process's 4 devices: a device holds its
+        # quarter of the slice and of the sum, nothing more.
+        assert 0 < max(r["combine_extra"] for r in reports) <= 2 * remote_publish.COMBINE_BYTES // 4, reports
         _check_hf_export(url, tmp_path, reports)
 
 
