@@ -56,7 +56,7 @@ from keras_hub_dist.save.part_plan import FileParts
 from keras_hub_dist.storage.part_uploads import PartUploads
 
 __all__ = [
-    "COMBINE_BYTES", "LEASE_SECONDS", "SCHEMES", "Combiner", "OwnerRecord", "agreed_url", "claim_remote",
+    "COMBINE_BYTES", "LEASE_SECONDS", "SCHEMES", "Combiner", "OwnerRecord", "agreed_url", "check_url", "claim_remote",
     "memory_dir", "publish", "reduce_on", "start_uploads",
 ]
 
@@ -66,6 +66,25 @@ SCHEMES = ("s3", "gs")
 # is older than this (by the store's clock) is taken for dead.
 LEASE_SECONDS = 120.0
 OWNER_PREFIX = ".khd-save-"
+
+
+def check_url(url: str, durable: bool, argument: str = "preset_dir") -> None:
+    """Raises `SaveError` unless `url` is a bucket this package writes to
+    and `durable` is False (an object is durable once written)."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in SCHEMES:
+        raise SaveError(
+            f"Expected {argument} to be a local directory or an object store URL "
+            f"({', '.join(s + '://' for s in SCHEMES)}). Received: {url!r}. "
+            + ("Pushing to the Hugging Face Hub is not supported: save to a local directory, "
+               "then upload it with `huggingface-cli upload`." if scheme == "hf" else
+               "Save to a local directory or a bucket.")
+        )
+    if durable:
+        raise SaveError(
+            f"Expected durable=False for a save into {url!r} (an object is durable once "
+            f"written). Received: durable={durable!r}."
+        )
 
 
 def agreed_url(url: str) -> None:

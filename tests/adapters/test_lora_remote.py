@@ -1,0 +1,159 @@
+"""`save_lora_adapter(model, "s3://..." | "gs://...")`: the local save's
+files byte for byte, uploaded straight from the processes (S3 by moto, GCS
+by gcp-storage-emulator, on loopback: the servers of tests/remote/), read
+back by `load_sharded_preset(base, lora_adapter=url)` bit for bit; a failed
+part upload aborts every upload and keeps the old adapter; a target that
+holds an adapter is refused, without `overwrite`, before any upload.
+
+The model is the tiny Qwen3 of tests/formats/hf (2 layers, hidden 64) with
+PEFT-form LoRA on its seven projections: an adapter of a few kB, one part,
+as real adapters (a few MB) are too: under S3's 5 MiB minimum part, which
+only the last part may be.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+import keras_hub_dist
+from keras_hub_dist import SaveError
+from keras_hub_dist.formats import checksums
+from keras_hub_dist.storage import uploads
+from remote import conftest as remote_fixtures
+from remote import stores
+from tests.formats.hf import dense
+from tests.formats.hf.writer import write_hf_checkpoint
+from tests.remote.test_remote_save import _bucket, _local_files, _objects
+
+# The S3 (moto) and GCS (gcp-storage-emulator) fixtures of tests/remote/, as this module's.
+moto_server, gcs_server = remote_fixtures.moto_server, remote_fixtures.gcs_server
+s3, gcs = remote_fixtures.s3, remote_fixtures.gcs
+
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FILES = ["adapter_config.json", "adapter_model.safetensors", "adapter_model.safetensors.index.json"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    config, tensors = dense.hf_checkpoint("qwen3", tied=True, dtype="float32")
+    return write_hf_checkpoint(str(tmp_path_factory.mktemp("lora_remote") / "qwen3"), config, tensors)
+
+
+@pytest.fixture(scope="module")
+def tuned(base, tmp_path_factory):
+    """Per mesh: the base with random LoRA factors, and its local adapter."""
+    out = {}
+
+    def get(mesh):
+        if mesh not in out:
+            keras.distribution.set_distribution(None)
+            backbone = keras_hub_dist.load_sharded_preset(base, mesh=mesh, progress=False)
+            keras_hub_dist.enable_lora(backbone, rank=3, lora_alpha=5, target_modules=SEVEN)
+            rng = np.random.default_rng(2)
+            for variable in _lora(backbone).values():
+                variable.assign(rng.normal(scale=0.02, size=variable.shape).astype("float32"))
+            local = str(tmp_path_factory.mktemp("local_adapter") / "adapter")
+            keras_hub_dist.save_lora_adapter(backbone, local, base_model_name_or_path=base, progress=False)
+            out[mesh] = backbone, _local_files(local)
+        return out[mesh]
+
+    return get
+
+
+def _lora(model):
+    return {v.path: v for v in model.weights if "lora_" in v.path}
+
+
+def _target(server, scheme, prefix="adapters/v1"):
+    url = f"{scheme}://{_bucket(server, scheme)}/{prefix}"
+    return url, uploads.open_writer(url)
+
+
+def _assert_round_trip(backbone, base, url, mesh):
+    keras.distribution.set_distribution(None)
+    again = keras_hub_dist.load_sharded_preset(base, mesh=mesh, progress=False, lora_adapter=url)
+    saved = {p: np.asarray(v.value).tobytes() for p, v in _lora(backbone).items()}
+    assert {p: np.asarray(v.value).tobytes() for p, v in _lora(again).items()} == saved
+
+
+def _assert_nothing_left(server, writer, bucket):
+    """No object in the bucket (no owner record, no part), no open upload."""
+    assert server.list_names(bucket) == []
+    assert writer.list_uploads() == []
+
+
+@pytest.mark.parametrize("mesh", [(1, 8), (2, 4), (8, 1)])
+def test_s3_adapter_is_the_local_one_and_loads_bitwise(tuned, base, s3, mesh):
+    backbone, local = tuned(mesh)
+    url, writer = _target(s3, "s3")
+    keras_hub_dist.save_lora_adapter(backbone, url, base_model_name_or_path=base, progress=False)
+    assert sorted(local) == FILES
+    assert _objects(writer) == local
+    assert writer.list_uploads() == [] and not [n for n in writer.list() if n.startswith(".")]
+    _assert_round_trip(backbone, base, url, (2, 4))
+
+
+def test_gcs_adapter_is_the_local_one_and_loads_bitwise(tuned, base, gcs):
+    backbone, local = tuned((2, 4))
+    url, writer = _target(gcs, "gs")
+    keras_hub_dist.save_lora_adapter(backbone, url, base_model_name_or_path=base, progress=False)
+    assert _objects(writer) == local
+    assert writer.list_uploads() == [] and not [n for n in writer.list() if n.startswith(".")]
+    _assert_round_trip(backbone, base, url, (8, 1))
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_failed_part_aborts_every_upload(tuned, base, scheme, request, monkeypatch):
+    """4 KiB parts, so that the adapter has a second part to fail: into an
+    empty prefix nothing is left; over an adapter (`overwrite=True`) the old
+    one stays whole, and the next save replaces it."""
+    server = request.getfixturevalue("s3" if scheme == "s3" else "gcs")
+    backbone, local = tuned((2, 4))
+    url, writer = _target(server, scheme)
+    bucket = url.split("/")[2]
+    with monkeypatch.context() as patch:
+        patch.setattr(checksums, "CHUNK_BYTES", 4 << 10)
+        assert len(local["adapter_model.safetensors"]) > 2 * (4 << 10)
+        stores.fail_second_part(patch, writer)
+        with pytest.raises(SaveError, match="injected by the test"):
+            keras_hub_dist.save_lora_adapter(backbone, url, progress=False)
+        _assert_nothing_left(server, writer, bucket)
+
+    keras_hub_dist.save_lora_adapter(backbone, url, progress=False)
+    old = _objects(writer)
+    with monkeypatch.context() as patch:
+        patch.setattr(checksums, "CHUNK_BYTES", 4 << 10)
+        stores.fail_second_part(patch, writer)
+        with pytest.raises(SaveError, match="injected by the test"):
+            keras_hub_dist.save_lora_adapter(backbone, url, base_model_name_or_path=base, overwrite=True,
+                                             progress=False)
+    assert _objects(writer) == old and writer.list_uploads() == []
+    keras_hub_dist.save_lora_adapter(backbone, url, base_model_name_or_path=base, overwrite=True, progress=False)
+    assert _objects(writer) == local
+
+
+def test_bad_targets_fail_before_any_upload(tuned, base, s3, monkeypatch):
+    backbone, local = tuned((2, 4))
+    url, writer = _target(s3, "s3")
+    keras_hub_dist.save_lora_adapter(backbone, url, base_model_name_or_path=base, progress=False)
+    started = []
+    real = type(writer).create_upload
+    monkeypatch.setattr(type(writer), "create_upload",
+                        lambda self, *a, **k: started.append(a) or real(self, *a, **k))
+    with pytest.raises(SaveError, match="overwrite=True"):
+        keras_hub_dist.save_lora_adapter(backbone, url, progress=False)
+    with pytest.raises(SaveError, match="nonexistent-bucket"):
+        keras_hub_dist.save_lora_adapter(backbone, "s3://nonexistent-bucket/adapter", progress=False)
+    with pytest.raises(SaveError, match="huggingface-cli upload"):
+        keras_hub_dist.save_lora_adapter(backbone, "hf://owner/adapter", progress=False)
+    with pytest.raises(SaveError, match="durable=False"):
+        keras_hub_dist.save_lora_adapter(backbone, url + "2", durable=True, progress=False)
+    no_lora = keras_hub_dist.load_sharded_preset(base, mesh=(2, 4), progress=False)
+    with pytest.raises(SaveError, match="no LoRA-enabled layer"):
+        keras_hub_dist.save_lora_adapter(no_lora, url + "3", progress=False)
+    assert started == []
+    assert _objects(writer) == local and writer.list_uploads() == []
+    assert uploads.open_writer(url + "2").list() == {} and uploads.open_writer(url + "3").list() == {}
+    assert json.loads(local["adapter_config.json"])["base_model_name_or_path"] == base
