@@ -37,10 +37,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from keras_hub_dist.formats.base import ByteRuns
 from keras_hub_dist.formats.pieces import BlockWrite
+from keras_hub_dist.save.part_plan import run_offsets
 
-__all__ = ["Step", "peak_open_parts", "plan_steps", "row_window", "sub_write"]
+__all__ = ["Step", "peak_open_parts", "plan_steps", "row_window", "sub_write", "unwritten"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +173,38 @@ def peak_open_parts(steps: Sequence[Step], process: int, part_bytes: int) -> int
 def _span(runs: ByteRuns) -> int:
     """Bytes from the first run's start to the last run's end."""
     return sum((c - 1) * s for c, s in zip(runs.counts, runs.strides)) + runs.run_bytes
+
+
+def unwritten(steps: Sequence[Step], sizes: Mapping[str, int], headers: Mapping[str, int]) -> dict[str, list[tuple[int, int]]]:
+    """Per file, the byte ranges `[start, stop)` past its header that no
+    step of any process writes: zeros in the file, which the local save
+    leaves as holes (a PEFT adapter's ranks padded to the largest, the
+    blocks off `lora_B`'s diagonal: `save.lora_adapter`) and a part's owner
+    writes itself. A file whose every byte a step writes (any checkpoint)
+    costs one sum and has none.
+
+    Args:
+        steps: Every process's steps (`plan_steps`).
+        sizes: File -> length.
+        headers: File -> the length of its header (not written by steps).
+    """
+    written = dict.fromkeys(sizes, 0)
+    for step in steps:
+        written[step.file] += step.runs.nbytes
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name, size in sizes.items():
+        if written[name] + headers[name] >= size:
+            continue
+        # +1 where a written range starts, -1 past its end: a byte is
+        # written where the running sum is positive.
+        edges = np.zeros(size + 1, np.int64)
+        edges[0], edges[headers[name]] = 1, -1
+        for step in steps:
+            if step.file == name and step.runs.num_runs:
+                offsets = run_offsets(step.runs)
+                np.add.at(edges, offsets, 1)
+                np.add.at(edges, offsets + step.runs.run_bytes, -1)
+        free = np.concatenate(([0], (np.cumsum(edges[:-1]) == 0).astype(np.int8), [0]))
+        bounds = np.flatnonzero(np.diff(free))
+        out[name] = list(zip(bounds[::2].tolist(), bounds[1::2].tolist()))
+    return out

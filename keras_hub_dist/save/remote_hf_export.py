@@ -15,7 +15,8 @@ bytes go and in which order:
 2. **lay out** — the small files (config.json, generation_config.json, a
    task's tokenizer files) in a temporary directory in memory; the
    safetensors files need no skeleton: a file is its header (known from the
-   layout) then its tensors back to back;
+   layout) then its tensors back to back (bytes no tensor piece writes, an
+   adapter's padding, are zeros its part's owner writes: `unwritten`);
 3. **upload** — each safetensors file is one multipart upload of 64 MiB
    parts (one checksum chunk each, hashed from the buffer it is uploaded
    from). The writes go in the **files' byte order**, not the model's
@@ -71,7 +72,7 @@ from keras_hub_dist.save.hf_export import (
     quantization_error,
 )
 from keras_hub_dist.save.hf_files import write_hf_files
-from keras_hub_dist.save.hf_part_plan import peak_open_parts, plan_steps, row_window, sub_write
+from keras_hub_dist.save.hf_part_plan import peak_open_parts, plan_steps, row_window, sub_write, unwritten
 from keras_hub_dist.save.part_plan import plan_step_parts
 from keras_hub_dist.save.piece_write import PieceWriter
 from keras_hub_dist.save.remote_publish import (
@@ -329,11 +330,20 @@ def _upload(
     def on_part(name: str, number: int, data: memoryview) -> None:
         table[row_of[(number_of[name], number - 1)]] = np.frombuffer(hashlib.sha256(data).digest(), np.uint8)
 
+    holes = unwritten(steps, sizes, {n: len(h) for n, h in headers.items()})
+
     def prefill(name: str, start: int, stop: int, buffer: np.ndarray) -> int:
-        # A safetensors file's only bytes that are not values: its header.
+        # A safetensors file's bytes that are not values: its header, and
+        # the zeros no tensor piece writes (an adapter's padding).
         header = headers[name][start:stop]
         buffer[: len(header)] = np.frombuffer(header, np.uint8)
-        return len(header)
+        filled = len(header)
+        for low, high in holes.get(name, ()):
+            low, high = max(low, start), min(high, stop)
+            if low < high:
+                buffer[low - start : high - start] = 0
+                filled += high - low
+        return filled
 
     targets = {
         n: FileUpload(n, sizes[n], uploads[n], parts_plan[n].owned_by(me), parts_plan[n].mixed) for n in sizes

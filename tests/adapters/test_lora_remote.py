@@ -43,21 +43,28 @@ def base(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tuned(base, tmp_path_factory):
-    """Per mesh: the base with random LoRA factors, and its local adapter."""
+    """Per mesh (and form): the base with random LoRA factors, and its local
+    adapter. PEFT's form (`keras_hub_dist.enable_lora`, every projection at
+    rank 3), or Keras's (`backbone.enable_lora(2)`: query and value, one
+    update per head, so the file has zeros the save never writes: value's
+    ranks padded to query's, lora_B off its diagonal)."""
     out = {}
 
-    def get(mesh):
-        if mesh not in out:
+    def get(mesh, keras_form=False):
+        if (mesh, keras_form) not in out:
             keras.distribution.set_distribution(None)
             backbone = keras_hub_dist.load_sharded_preset(base, mesh=mesh, progress=False)
-            keras_hub_dist.enable_lora(backbone, rank=3, lora_alpha=5, target_modules=SEVEN)
+            if keras_form:
+                backbone.enable_lora(rank=2)
+            else:
+                keras_hub_dist.enable_lora(backbone, rank=3, lora_alpha=5, target_modules=SEVEN)
             rng = np.random.default_rng(2)
             for variable in _lora(backbone).values():
                 variable.assign(rng.normal(scale=0.02, size=variable.shape).astype("float32"))
             local = str(tmp_path_factory.mktemp("local_adapter") / "adapter")
             keras_hub_dist.save_lora_adapter(backbone, local, base_model_name_or_path=base, progress=False)
-            out[mesh] = backbone, _local_files(local)
-        return out[mesh]
+            out[mesh, keras_form] = backbone, _local_files(local)
+        return out[mesh, keras_form]
 
     return get
 
@@ -102,6 +109,29 @@ def test_gcs_adapter_is_the_local_one_and_loads_bitwise(tuned, base, gcs):
     assert _objects(writer) == local
     assert writer.list_uploads() == [] and not [n for n in writer.list() if n.startswith(".")]
     _assert_round_trip(backbone, base, url, (8, 1))
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_keras_form_with_padding_is_the_local_one(tuned, base, scheme, request, tmp_path):
+    server = request.getfixturevalue("s3" if scheme == "s3" else "gcs")
+    backbone, local = tuned((2, 4), keras_form=True)
+    config = json.loads(local["adapter_config.json"])
+    assert config["target_modules"] == ["q_proj", "v_proj"] and config["r"] == 2 * 8  # 8 query heads
+    url, writer = _target(server, scheme)
+    keras_hub_dist.save_lora_adapter(backbone, url, base_model_name_or_path=base, progress=False)
+    assert _objects(writer) == local
+    # Loaded, it is PEFT's form (rank 16, lora_B block diagonal): the same
+    # factors as the local adapter's, bit for bit.
+    folder = tmp_path / "local"
+    folder.mkdir()
+    for name, data in local.items():
+        (folder / name).write_bytes(data)
+    loaded = {}
+    for where in (url, str(folder)):
+        keras.distribution.set_distribution(None)
+        model = keras_hub_dist.load_sharded_preset(base, mesh=(1, 8), progress=False, lora_adapter=where)
+        loaded[where] = {p: np.asarray(v.value).tobytes() for p, v in _lora(model).items()}
+    assert loaded[url] and loaded[url] == loaded[str(folder)]
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
