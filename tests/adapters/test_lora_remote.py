@@ -3,7 +3,10 @@ files byte for byte, uploaded straight from the processes (S3 by moto, GCS
 by gcp-storage-emulator, on loopback: the servers of tests/remote/), read
 back by `load_sharded_preset(base, lora_adapter=url)` bit for bit; a failed
 part upload aborts every upload and keeps the old adapter; a target that
-holds an adapter is refused, without `overwrite`, before any upload.
+holds an adapter is refused, without `overwrite`, before any upload. Two
+processes x 4 devices (`lora_remote_worker.py`): the replicated factors'
+blocks written by both into the one part, combined on its owner; a write
+failing on one process leaves nothing.
 
 The model is the tiny Qwen3 of tests/formats/hf (2 layers, hidden 64) with
 PEFT-form LoRA on its seven projections: an adapter of a few kB, one part,
@@ -12,6 +15,8 @@ only the last part may be.
 """
 
 import json
+import pathlib
+import sys
 
 import keras
 import numpy as np
@@ -25,6 +30,7 @@ from remote import conftest as remote_fixtures
 from remote import stores
 from tests.formats.hf import dense
 from tests.formats.hf.writer import write_hf_checkpoint
+from tests.multiprocess_jobs import run_job
 from tests.remote.test_remote_save import _bucket, _local_files, _objects
 
 # The S3 (moto) and GCS (gcp-storage-emulator) fixtures of tests/remote/, as this module's.
@@ -32,6 +38,7 @@ moto_server, gcs_server = remote_fixtures.moto_server, remote_fixtures.gcs_serve
 s3, gcs = remote_fixtures.s3, remote_fixtures.gcs
 
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+WORKER = pathlib.Path(__file__).with_name("lora_remote_worker.py")
 FILES = ["adapter_config.json", "adapter_model.safetensors", "adapter_model.safetensors.index.json"]
 
 
@@ -187,3 +194,34 @@ def test_bad_targets_fail_before_any_upload(tuned, base, s3, monkeypatch):
     assert _objects(writer) == local and writer.list_uploads() == []
     assert uploads.open_writer(url + "2").list() == {} and uploads.open_writer(url + "3").list() == {}
     assert json.loads(local["adapter_config.json"])["base_model_name_or_path"] == base
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux and loopback")
+def test_two_processes_upload_the_local_adapter(base, s3, tmp_path):
+    """2 processes x 4 devices, mesh 1 x 8: the factors are replicated on
+    both, each writes its share of the one part (under 5 MiB) into a zeroed
+    buffer, the part is combined on its owner, which alone uploads it."""
+    url, writer = _target(s3, "s3")
+    keras.distribution.set_distribution(None)
+    reports = run_job(WORKER, 2, 4, [base, "1x8", url, tmp_path], tmp_path)
+    assert [r["error"] for r in reports] == [None, None]
+    local = _local_files(str(tmp_path / "local"))
+    assert sorted(local) == FILES and _objects(writer) == local
+    parts = [[(name, number) for name, number, _ in r["uploaded"]] for r in reports]
+    assert sorted(parts[0] + parts[1]) == [("adapter_model.safetensors", 1)]
+    assert reports[0]["combined"] == reports[1]["combined"] == [1]
+    assert writer.list_uploads() == [] and not [n for n in writer.list() if n.startswith(".")]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux and loopback")
+def test_a_write_failing_on_one_process_aborts_the_upload(base, s3, tmp_path):
+    """Process 1's write into its part buffer raises: both raise, the
+    bucket holds nothing (no adapter, owner record or part), no upload is
+    left open."""
+    url, writer = _target(s3, "s3")
+    keras.distribution.set_distribution(None)
+    reports = run_job(WORKER, 2, 4, [base, "1x8", url, tmp_path, "fail_write"], tmp_path)
+    assert all(r["error"] and "injected by the test" in r["error"] for r in reports), reports
+    # Process 0 may have uploaded the combined part (the collective goes on
+    # after an error): the upload is aborted, nothing is left.
+    _assert_nothing_left(s3, writer, url.split("/")[2])
