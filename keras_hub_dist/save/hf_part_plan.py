@@ -195,16 +195,15 @@ def unwritten(steps: Sequence[Step], sizes: Mapping[str, int], headers: Mapping[
     for name, size in sizes.items():
         if written[name] + headers[name] >= size:
             continue
-        # +1 where a written range starts, -1 past its end: a byte is
-        # written where the running sum is positive.
-        edges = np.zeros(size + 1, np.int64)
-        edges[0], edges[headers[name]] = 1, -1
-        for step in steps:
-            if step.file == name and step.runs.num_runs:
-                offsets = run_offsets(step.runs)
-                np.add.at(edges, offsets, 1)
-                np.add.at(edges, offsets + step.runs.run_bytes, -1)
-        free = np.concatenate(([0], (np.cumsum(edges[:-1]) == 0).astype(np.int8), [0]))
-        bounds = np.flatnonzero(np.diff(free))
-        out[name] = list(zip(bounds[::2].tolist(), bounds[1::2].tolist()))
+        # The written runs sorted by start (with the header's): a hole is
+        # where a run starts past the furthest end before it. Memory: the
+        # runs, not the file.
+        runs = [(run_offsets(s.runs), s.runs.run_bytes) for s in steps if s.file == name and s.runs.num_runs]
+        starts = np.concatenate([np.zeros(1, np.int64)] + [offsets for offsets, _ in runs])
+        ends = np.concatenate([np.full(1, headers[name], np.int64)] + [offsets + length for offsets, length in runs])
+        order = np.argsort(starts, kind="stable")
+        reached = np.maximum.accumulate(ends[order])
+        after = np.append(starts[order][1:], size)
+        gaps = np.flatnonzero(after > reached)
+        out[name] = list(zip(reached[gaps].tolist(), after[gaps].tolist()))
     return out

@@ -230,10 +230,12 @@ def _save_remote(model: Any, url: str, base_model_name_or_path: str | None, over
     mapping, variables, rank, alpha = _checked_adapter(model)
     layout = _layout(mapping.tensors)
     text = peft.adapter_config_json(rank, alpha, mapping.config["targets"], base_model_name_or_path)
-
     files = RemoteFiles(
-        mapping, layout, indices=lambda: _indices(variables, mapping), values=lambda: _Factors(variables),
-        write_files=lambda folder: _write_config(folder, text), index_file=INDEX_FILE, config=peft.ADAPTER_CONFIG, label="Saving adapter",
+        mapping, layout,
+        indices=lambda: _indices(variables, mapping),
+        values=lambda: _Factors(variables),
+        write_files=lambda folder: _write_config(folder, text),
+        index_file=INDEX_FILE, config=peft.ADAPTER_CONFIG, label="Saving adapter",
     )
     with RangeClient(process_index=jax.process_index()) as client:
         upload_safetensors(url, open_writer(url, client), overwrite, progress, lambda: files)

@@ -25,6 +25,8 @@ import pytest
 import keras_hub_dist
 from keras_hub_dist import SaveError
 from keras_hub_dist.formats import checksums
+from keras_hub_dist.formats.base import ByteRuns
+from keras_hub_dist.save.hf_part_plan import Step, unwritten
 from keras_hub_dist.storage import uploads
 from remote import conftest as remote_fixtures
 from remote import stores
@@ -139,6 +141,13 @@ def test_keras_form_with_padding_is_the_local_one(tuned, base, scheme, request, 
         model = keras_hub_dist.load_sharded_preset(base, mesh=(1, 8), progress=False, lora_adapter=where)
         loaded[where] = {p: np.asarray(v.value).tobytes() for p, v in _lora(model).items()}
     assert loaded[url] and loaded[url] == loaded[str(folder)]
+
+
+def test_unwritten_ranges_are_the_holes_past_the_header():
+    runs = [ByteRuns(10, 4, (3,), (8,)), ByteRuns(30, 5, (), ()), ByteRuns(4, 6, (), ())]
+    steps = [Step(p, "v", 0, 0, f, 0, 1, r) for p, f, r in zip((0, 1, 0), ("f", "f", "g"), runs)]
+    # f: header 0-8, runs 10-14, 18-22, 26-30 and 30-35 of 40 bytes; g: whole.
+    assert unwritten(steps, {"f": 40, "g": 10}, {"f": 8, "g": 4}) == {"f": [(8, 10), (14, 18), (22, 26), (35, 40)]}
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
