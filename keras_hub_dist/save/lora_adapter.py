@@ -226,7 +226,7 @@ def _save_remote(model: Any, url: str, base_model_name_or_path: str | None, over
     byte, each process uploading the blocks it was given by the same plan
     as the local save, every upload aborted on a failure), with
     `adapter_config.json` written last."""
-    agreed_url(url)
+    agreed_url(url, "adapter_dir")
     mapping, variables, rank, alpha = _checked_adapter(model)
     layout = _layout(mapping.tensors)
     text = peft.adapter_config_json(rank, alpha, mapping.config["targets"], base_model_name_or_path)
@@ -238,7 +238,7 @@ def _save_remote(model: Any, url: str, base_model_name_or_path: str | None, over
         index_file=INDEX_FILE, config=peft.ADAPTER_CONFIG, label="Saving adapter",
     )
     with RangeClient(process_index=jax.process_index()) as client:
-        upload_safetensors(url, open_writer(url, client), overwrite, progress, lambda: files)
+        upload_safetensors(url, open_writer(url, client), overwrite, progress, lambda: files, what="adapter")
 
 
 def _write(variables: list[Any], plans: dict[str, list[BlockPlan]], progress: bool | None, base: str, durable: bool) -> str | None:

@@ -164,11 +164,12 @@ class RemoteFiles:
 
 def upload_safetensors(
     url: str, writer: Any, overwrite: bool, progress: bool | None, describe: Callable[[], RemoteFiles],
-    buffer_fraction: float = 0.12,
+    buffer_fraction: float = 0.12, what: str = "preset",
 ) -> None:
     """Steps 1 to 4 of the module doc into `writer`, run by every process:
     the target claimed, then `describe()` (every process) says what to
-    upload. Also the PEFT adapter's save (`save.lora_adapter`).
+    upload. Also the PEFT adapter's save (`save.lora_adapter`); `what` the
+    target must not hold already (errors say it).
 
     Raises:
         SaveError: On every process: the target cannot be written or holds
@@ -177,7 +178,7 @@ def upload_safetensors(
     """
     first = jax.process_index() == 0
     found: list[dict[str, Any]] = []
-    error = _guard(lambda: found.append(claim_remote(writer, overwrite))) if first else None
+    error = _guard(lambda: found.append(claim_remote(writer, overwrite, what))) if first else None
     _processes.check_all(error, SaveError, f"Cannot save to {url!r}")
     files = describe()
     mapping, layout = files.mapping, files.layout

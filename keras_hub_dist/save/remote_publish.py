@@ -87,12 +87,12 @@ def check_url(url: str, durable: bool, argument: str = "preset_dir") -> None:
         )
 
 
-def agreed_url(url: str) -> None:
+def agreed_url(url: str, argument: str = "preset_dir") -> None:
     """Raises `SaveError` (on every process) unless every process passed `url`."""
     targets = _processes.gather_strings(url)
     if len(set(targets)) > 1:
         raise SaveError(
-            "Expected every process to pass the same preset_dir. Received: "
+            f"Expected every process to pass the same {argument}. Received: "
             + ", ".join(f"process {i}: {t!r}" for i, t in enumerate(targets)) + "."
         )
 
@@ -113,9 +113,10 @@ def memory_dir() -> str | None:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
-def claim_remote(writer: Any, overwrite: bool) -> dict[str, Any]:
+def claim_remote(writer: Any, overwrite: bool, what: str = "preset") -> dict[str, Any]:
     """Aborts what dead saves to the target left (warning with what), then
-    checks the target may be written; returns what it holds now."""
+    checks the target may be written (it holds no `what`, or `overwrite`);
+    returns what it holds now."""
     writer.check_writable()
     listing = writer.list()
     removed = _sweep_stale(writer, listing)
@@ -129,7 +130,7 @@ def claim_remote(writer: Any, overwrite: bool) -> dict[str, Any]:
     if existing and not overwrite:
         shown = ", ".join(sorted(existing)[:5]) + (" ..." if len(existing) > 5 else "")
         raise SaveError(
-            f"Expected {writer.location} to hold no preset. Received: {len(existing)} "
+            f"Expected {writer.location} to hold no {what}. Received: {len(existing)} "
             f"object(s) there ({shown}). Pass overwrite=True to replace it, or choose another prefix."
         )
     return existing

@@ -188,7 +188,7 @@ def test_bad_targets_fail_before_any_upload(tuned, base, s3, monkeypatch):
     real = type(writer).create_upload
     monkeypatch.setattr(type(writer), "create_upload",
                         lambda self, *a, **k: started.append(a) or real(self, *a, **k))
-    with pytest.raises(SaveError, match="overwrite=True"):
+    with pytest.raises(SaveError, match="to hold no adapter.*Pass overwrite=True"):
         keras_hub_dist.save_lora_adapter(backbone, url, progress=False)
     with pytest.raises(SaveError, match="nonexistent-bucket"):
         keras_hub_dist.save_lora_adapter(backbone, "s3://nonexistent-bucket/adapter", progress=False)
