@@ -94,7 +94,8 @@ REMOTE = {
 }
 # Buckets the examples write into (created empty, the environment set).
 TARGETS = {"s3://my-bucket/gemma_7b_tuned", "s3://my-bucket/tuned/gemma_7b", "gs://my-bucket/gemma2_9b_tuned",
-           "gs://my-bucket/gemma_7b_hf", "gs://my-bucket/tuned/gemma_7b_hf", "gs://my-bucket/gemma_7b_tune"}
+           "gs://my-bucket/gemma_7b_hf", "gs://my-bucket/tuned/gemma_7b_hf", "gs://my-bucket/gemma_7b_tune",
+           "gs://my-bucket/gemma_adapter"}
 _URL = re.compile(r"\b(?:s3|gs|hf|https?)://[A-Za-z0-9._/-]+")
 
 

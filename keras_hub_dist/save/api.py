@@ -22,6 +22,7 @@ import keras
 
 from keras_hub_dist.errors import SaveError
 from keras_hub_dist.save import hf_export, remote_hf_export, remote_save, saver
+from keras_hub_dist.save.remote_publish import check_url
 from keras_hub_dist.storage.locations import is_url
 
 __all__ = ["FORMATS", "save_sharded_preset"]
@@ -171,22 +172,9 @@ def _save_remote(
     model: Any, url: str, format: str, overwrite: bool, progress: bool | None,  # noqa: A002
     max_shard_size: Any, dtype: Any, durable: bool,
 ) -> None:
-    scheme = url.split("://", 1)[0].lower()
-    if scheme not in remote_save.SCHEMES:
-        raise SaveError(
-            f"Expected preset_dir to be a local directory or an object store URL "
-            f"({', '.join(s + '://' for s in remote_save.SCHEMES)}). Received: {url!r}. "
-            + ("Pushing to the Hugging Face Hub is not supported: save to a local directory, "
-               "then upload it with `huggingface-cli upload`." if scheme == "hf" else
-               "Save to a local directory or a bucket.")
-        )
+    check_url(url, durable)
     if format not in FORMATS:
         raise SaveError(f"Expected format to be one of {FORMATS}. Received: format={format!r}.")
-    if durable:
-        raise SaveError(
-            f"Expected durable=False for a save into {url!r} (an object is durable once "
-            f"written). Received: durable={durable!r}."
-        )
     if format == "huggingface":
         remote_hf_export.save_huggingface_remote(
             model, url, overwrite=overwrite, progress=progress, dtype=dtype,

@@ -37,10 +37,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from keras_hub_dist.formats.base import ByteRuns
 from keras_hub_dist.formats.pieces import BlockWrite
+from keras_hub_dist.save.part_plan import run_offsets
 
-__all__ = ["Step", "peak_open_parts", "plan_steps", "row_window", "sub_write"]
+__all__ = ["Step", "peak_open_parts", "plan_steps", "row_window", "sub_write", "unwritten"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +173,37 @@ def peak_open_parts(steps: Sequence[Step], process: int, part_bytes: int) -> int
 def _span(runs: ByteRuns) -> int:
     """Bytes from the first run's start to the last run's end."""
     return sum((c - 1) * s for c, s in zip(runs.counts, runs.strides)) + runs.run_bytes
+
+
+def unwritten(steps: Sequence[Step], sizes: Mapping[str, int], headers: Mapping[str, int]) -> dict[str, list[tuple[int, int]]]:
+    """Per file, the byte ranges `[start, stop)` past its header that no
+    step of any process writes: zeros in the file, which the local save
+    leaves as holes (a PEFT adapter's ranks padded to the largest, the
+    blocks off `lora_B`'s diagonal: `save.lora_adapter`) and a part's owner
+    writes itself. A file whose every byte a step writes (any checkpoint)
+    costs one sum and has none.
+
+    Args:
+        steps: Every process's steps (`plan_steps`).
+        sizes: File -> length.
+        headers: File -> the length of its header (not written by steps).
+    """
+    written = dict.fromkeys(sizes, 0)
+    for step in steps:
+        written[step.file] += step.runs.nbytes
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name, size in sizes.items():
+        if written[name] + headers[name] >= size:
+            continue
+        # The written runs sorted by start (with the header's): a hole is
+        # where a run starts past the furthest end before it. Memory: the
+        # runs, not the file.
+        runs = [(run_offsets(s.runs), s.runs.run_bytes) for s in steps if s.file == name and s.runs.num_runs]
+        starts = np.concatenate([np.zeros(1, np.int64)] + [offsets for offsets, _ in runs])
+        ends = np.concatenate([np.full(1, headers[name], np.int64)] + [offsets + length for offsets, length in runs])
+        order = np.argsort(starts, kind="stable")
+        reached = np.maximum.accumulate(ends[order])
+        after = np.append(starts[order][1:], size)
+        gaps = np.flatnonzero(after > reached)
+        out[name] = list(zip(reached[gaps].tolist(), after[gaps].tolist()))
+    return out

@@ -20,6 +20,19 @@ merged export is the whole model. The steps are the Hugging Face export's
    recorded in `adapter_model.safetensors.index.json`;
 5. process 0 publishes the directory with a rename.
 
+Into a bucket (`s3://`, `gs://`), the same bytes go straight into the
+objects, as the Hugging Face export's do
+(`save.remote_hf_export.upload_safetensors`): process 0 claims the target
+(it must hold nothing, or `overwrite=True`) before any byte is uploaded;
+the safetensors file is one multipart upload, each process writing the
+blocks the same plan gives it (a replicated factor's blocks spread over
+the processes, `block_owners`) into a zeroed part buffer, summed onto the
+part's owner (an adapter is usually one part, under 5 MiB: the last part
+may be that small); its checksums are hashed from the parts as they are
+uploaded. Process 0 completes the upload, then writes the index and
+`adapter_config.json` last, so the adapter is readable only once whole; a
+failure anywhere aborts every upload.
+
 Keras's own LoRA on a projection with several output axes (KerasHub's
 default query / value targets: a kernel `(hidden, heads, head_dim)`) is one
 rank-`r` update per head sharing `B` (`plan.lora_layers`). PEFT holds it
@@ -35,6 +48,7 @@ Example:
 ```python
 keras_hub_dist.save_lora_adapter(lm, "./my_adapter", base_model_name_or_path="google/gemma-7b")
 peft.PeftModel.from_pretrained(transformers_model, "./my_adapter")
+keras_hub_dist.save_lora_adapter(lm, "gs://my-bucket/adapters/v1")
 ```
 """
 
@@ -61,6 +75,8 @@ from keras_hub_dist.save.hf_export import BlockPlan, checksummed_index, plan_blo
 from keras_hub_dist.save.hf_mapping import HfMapping
 from keras_hub_dist.save.lora_map import LoraModule, lora_modules
 from keras_hub_dist.save.piece_write import PieceWriter
+from keras_hub_dist.save.remote_hf_export import RemoteFiles, upload_safetensors
+from keras_hub_dist.save.remote_publish import agreed_url, check_url
 from keras_hub_dist.save.saver import (
     _agreed_target,
     _backbone_and_task,
@@ -74,6 +90,8 @@ from keras_hub_dist.save.saver import (
 )
 from keras_hub_dist.storage import host_io
 from keras_hub_dist.storage.locations import is_url
+from keras_hub_dist.storage.ranged_http import RangeClient
+from keras_hub_dist.storage.uploads import open_writer
 
 __all__ = ["INDEX_FILE", "adapter_mapping", "save_lora_adapter"]
 
@@ -167,6 +185,62 @@ def _layout(tensors: tuple[TensorSpec, ...]) -> SafetensorsLayout:
     return SafetensorsLayout((dataclasses.replace(layout.files[0], name=peft.ADAPTER_WEIGHTS),), layout.tensors)
 
 
+def _checked_adapter(model: Any) -> tuple[HfMapping, list[Any], int, float]:
+    """`adapter_mapping` of the model's backbone, run by every process;
+    `SaveError` on every process if it failed on one."""
+    backbone, _ = _backbone_and_task(model)
+    _processes.check_all(_model_error(model), SaveError, "Cannot save the adapter")
+    found: list[Any] = []
+    error = _guard(lambda: found.append(adapter_mapping(backbone)))
+    _processes.check_all(error, SaveError, "Mapping the LoRA layers to a PEFT adapter failed")
+    return found[0]
+
+
+def _write_config(folder: str, text: str) -> None:
+    with open(os.path.join(folder, peft.ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _indices(variables: list[Any], mapping: HfMapping) -> dict[str, Any]:
+    """Factor -> device -> the block it holds."""
+    return {v.path: _device_indices(_compat.variable_array(v).sharding, mapping.shapes[v.path]) for v in variables}
+
+
+class _Factors:
+    """The factors' arrays by variable path (`RemoteFiles.values`)."""
+
+    def __init__(self, variables: list[Any]) -> None:
+        self._variables = {v.path: v for v in variables}
+
+    def __call__(self, path: str) -> Any:
+        return _compat.variable_array(self._variables[path])
+
+    def release(self) -> None:
+        pass
+
+
+def _save_remote(model: Any, url: str, base_model_name_or_path: str | None, overwrite: bool,
+                 progress: bool | None) -> None:
+    """`save_lora_adapter` into a bucket: the safetensors export's upload
+    (`save.remote_hf_export.upload_safetensors`: target claimed before any
+    byte, each process uploading the blocks it was given by the same plan
+    as the local save, every upload aborted on a failure), with
+    `adapter_config.json` written last."""
+    agreed_url(url, "adapter_dir")
+    mapping, variables, rank, alpha = _checked_adapter(model)
+    layout = _layout(mapping.tensors)
+    text = peft.adapter_config_json(rank, alpha, mapping.config["targets"], base_model_name_or_path)
+    files = RemoteFiles(
+        mapping, layout,
+        indices=lambda: _indices(variables, mapping),
+        values=lambda: _Factors(variables),
+        write_files=lambda folder: _write_config(folder, text),
+        index_file=INDEX_FILE, config=peft.ADAPTER_CONFIG, label="Saving adapter",
+    )
+    with RangeClient(process_index=jax.process_index()) as client:
+        upload_safetensors(url, open_writer(url, client), overwrite, progress, lambda: files, what="adapter")
+
+
 def _write(variables: list[Any], plans: dict[str, list[BlockPlan]], progress: bool | None, base: str, durable: bool) -> str | None:
     """Writes this process's blocks of the factors; its first error as a message."""
     files = host_io.FileDescriptors(os.O_WRONLY)
@@ -199,8 +273,8 @@ def save_lora_adapter(
     """Saves the LoRA factors of a model as a PEFT adapter directory.
 
     Run by every process of the job (one process is fine too), on a
-    filesystem they share: each writes only the factor blocks its devices
-    hold, nothing is gathered. The adapter loads with
+    filesystem they share or into a bucket: each writes only the factor
+    blocks its devices hold, nothing is gathered. The adapter loads with
     `peft.PeftModel.from_pretrained(base, adapter_dir)`, vLLM's
     `--enable-lora --lora-modules name=adapter_dir` or
     `load_sharded_preset(base, lora_adapter=adapter_dir)` on top of the
@@ -214,23 +288,28 @@ def save_lora_adapter(
             (`backbone.enable_lora(rank)`, `layer.enable_lora(rank,
             lora_alpha=...)`, `keras_hub_dist.enable_lora`, or loaded with
             `lora_adapter=`).
-        adapter_dir: The directory to create. A bucket URL is refused
-            (write to a directory, then copy it).
+        adapter_dir: The directory to create, or a bucket prefix
+            (`"s3://bucket/prefix"`, `"gs://bucket/prefix"`) to write the
+            same files into, straight from every process.
         base_model_name_or_path: Recorded in `adapter_config.json` (the
             Hub name or path of the base model).
         overwrite: Replace an existing non-empty directory, once the new
             adapter is complete.
         progress: A progress bar on stderr; default: when stderr is a terminal.
         num_threads: Threads that hash the written file.
-        durable: fsync the files and directories before and after publishing.
+        durable: fsync the files and directories before and after
+            publishing (local directories only: an object is durable once
+            written).
 
     Raises:
         SaveError: Not a KerasHub model, no LoRA-enabled layer, LoRA on a
             layer that is no Transformers linear module, layers with
             different scales, a family that does not export to the Hugging
-            Face format, a target that exists (without `overwrite`) or
-            cannot be written, a remote target; writing failed on some
-            process (nothing is published then).
+            Face format, a target that exists or holds objects (without
+            `overwrite`) or cannot be written (a bucket that does not
+            exist, `hf://`), `durable=True` into a bucket, all before any
+            byte is written; writing or uploading failed on some process
+            (nothing is published then, every upload is aborted).
 
     Example:
 
@@ -240,18 +319,12 @@ def save_lora_adapter(
     keras_hub_dist.save_lora_adapter(lm, "./adapter", base_model_name_or_path="google/gemma-7b")
     ```
     """
-    if isinstance(adapter_dir, str) and is_url(adapter_dir):
-        raise SaveError(
-            f"Expected a local directory for the adapter. Received: {adapter_dir!r}. Adapters are "
-            "written to a directory (a few MB); copy it to the bucket afterwards."
-        )
+    if isinstance(adapter_dir, str) and is_url(adapter_dir):  # never a local path
+        check_url(adapter_dir, durable, "adapter_dir")
+        _save_remote(model, adapter_dir, base_model_name_or_path, overwrite, progress)
+        return
     target = _agreed_target(adapter_dir)
-    backbone, _ = _backbone_and_task(model)
-    _processes.check_all(_model_error(model), SaveError, "Cannot save the adapter")
-    found: list[Any] = []
-    error = _guard(lambda: found.append(adapter_mapping(backbone)))
-    _processes.check_all(error, SaveError, "Mapping the LoRA layers to a PEFT adapter failed")
-    mapping, variables, rank, alpha = found[0]
+    mapping, variables, rank, alpha = _checked_adapter(model)
     claim_target(target, overwrite)
     layout = _layout(mapping.tensors)
     parent, base = os.path.split(target)
@@ -263,9 +336,8 @@ def save_lora_adapter(
         if jax.process_index() == 0:
             def prepare() -> None:
                 created = _create_staging(target, token, durable)
-                text = peft.adapter_config_json(rank, alpha, mapping.config["targets"], base_model_name_or_path)
-                with open(os.path.join(created, peft.ADAPTER_CONFIG), "w", encoding="utf-8") as f:
-                    f.write(text)
+                _write_config(created, peft.adapter_config_json(
+                    rank, alpha, mapping.config["targets"], base_model_name_or_path))
                 create_files(layout, created)
 
             error = _guard(prepare)
@@ -274,7 +346,7 @@ def save_lora_adapter(
         plans: dict[str, list[BlockPlan]] = {}
 
         def plan() -> None:
-            indices = {v.path: _device_indices(_compat.variable_array(v).sharding, mapping.shapes[v.path]) for v in variables}
+            indices = _indices(variables, mapping)
             plans.update(plan_blocks(
                 mapping, layout, folder, indices,
                 process_index=jax.process_index(), process_count=jax.process_count(),

@@ -45,7 +45,7 @@ import numpy as np
 
 from keras_hub_dist.save.write_plan import SavePlan
 
-__all__ = ["FileParts", "plan_parts", "plan_step_parts"]
+__all__ = ["FileParts", "plan_parts", "plan_step_parts", "run_offsets"]
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,8 @@ def _add_runs(counts: np.ndarray, offsets: np.ndarray, length: int, part_bytes: 
             position += step
 
 
-def _run_offsets(runs) -> np.ndarray:
+def run_offsets(runs) -> np.ndarray:
+    """The file offset of every run of `runs` (a `ByteRuns`), in C order."""
     offsets = np.array([runs.offset], dtype=np.int64)
     for count, stride in zip(runs.counts, runs.strides):
         offsets = np.add.outer(offsets, np.arange(count, dtype=np.int64) * stride).reshape(-1)
@@ -142,7 +143,7 @@ def plan_step_parts(
     for process, file, index, runs in writes:
         if not runs.num_runs:
             continue
-        offsets = _run_offsets(runs)
+        offsets = run_offsets(runs)
         _add_runs(counts[file][process], offsets, runs.run_bytes, part_bytes)
         first = int(offsets.min()) // part_bytes
         last = (int(offsets.max()) + runs.run_bytes - 1) // part_bytes

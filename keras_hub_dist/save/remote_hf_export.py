@@ -15,7 +15,8 @@ bytes go and in which order:
 2. **lay out** — the small files (config.json, generation_config.json, a
    task's tokenizer files) in a temporary directory in memory; the
    safetensors files need no skeleton: a file is its header (known from the
-   layout) then its tensors back to back;
+   layout) then its tensors back to back (bytes no tensor piece writes, an
+   adapter's padding, are zeros its part's owner writes: `unwritten`);
 3. **upload** — each safetensors file is one multipart upload of 64 MiB
    parts (one checksum chunk each, hashed from the buffer it is uploaded
    from). The writes go in the **files' byte order**, not the model's
@@ -30,6 +31,10 @@ bytes go and in which order:
    same order: the merge is a collective program);
 4. **publish** — process 0 completes the uploads, then writes the small
    files, the index with the checksums, and config.json last.
+
+`upload_safetensors` does these steps for any safetensors files described
+by a `RemoteFiles`: the checkpoint here, a PEFT adapter
+(`save.lora_adapter`) too.
 
 Example:
 
@@ -46,6 +51,8 @@ import json
 import os
 import secrets
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -65,7 +72,7 @@ from keras_hub_dist.save.hf_export import (
     quantization_error,
 )
 from keras_hub_dist.save.hf_files import write_hf_files
-from keras_hub_dist.save.hf_part_plan import peak_open_parts, plan_steps, row_window, sub_write
+from keras_hub_dist.save.hf_part_plan import peak_open_parts, plan_steps, row_window, sub_write, unwritten
 from keras_hub_dist.save.part_plan import plan_step_parts
 from keras_hub_dist.save.piece_write import PieceWriter
 from keras_hub_dist.save.remote_publish import (
@@ -85,7 +92,7 @@ from keras_hub_dist.storage.part_uploads import FileUpload, PartUploads, part_co
 from keras_hub_dist.storage.ranged_http import RangeClient
 from keras_hub_dist.storage.uploads import open_writer
 
-__all__ = ["save_huggingface_remote"]
+__all__ = ["RemoteFiles", "save_huggingface_remote", "upload_safetensors"]
 
 
 def save_huggingface_remote(
@@ -110,20 +117,71 @@ def save_huggingface_remote(
     agreed_url(url)
     backbone, task = _backbone_and_task(model)
     _processes.check_all(_model_error(model) or quantization_error(model), SaveError, "Cannot export the model")
+
+    def describe() -> RemoteFiles:
+        mapping, layout, weight_set = checked_mapping(backbone, task, dtype, max_shard_size)
+        return RemoteFiles(
+            mapping, layout,
+            indices=lambda: device_indices_of(mapping, weight_set),
+            values=lambda: _Values(backbone),
+            write_files=lambda folder: write_hf_files(folder, backbone, task, mapping.config),
+            index_file=INDEX_FILE, config="config.json", label="Exporting",
+        )
+
     with RangeClient(process_index=jax.process_index()) as client:
-        _export(url, open_writer(url, client), backbone, task, overwrite, progress, max_shard_size, dtype,
-                buffer_fraction)
+        upload_safetensors(url, open_writer(url, client), overwrite, progress, describe, buffer_fraction)
 
 
-def _export(
-    url: str, writer: Any, backbone: Any, task: Any, overwrite: bool, progress: bool | None,
-    max_shard_size: Any, dtype: Any, buffer_fraction: float,
+@dataclass(frozen=True)
+class RemoteFiles:
+    """What `upload_safetensors` uploads: safetensors files and small files.
+
+    Attributes:
+        mapping: The values' pieces in the tensors (`save.hf_mapping`; its
+            datasets are the names `values` knows).
+        layout: The safetensors files.
+        indices: Called by every process: dataset -> device -> the block it
+            holds (`None`: a host value).
+        values: Called by every process before the first step: a callable
+            dataset -> its array, with `release()` (`_Values`).
+        write_files: Called by the first process: writes the small files
+            into the directory it is given.
+        index_file: The small file that gets the checksums.
+        config: The small file written last: the target is readable once
+            it is there.
+        label: The progress bar's verb.
+    """
+
+    mapping: Any
+    layout: Any
+    indices: Callable[[], dict[str, Any]]
+    values: Callable[[], Any]
+    write_files: Callable[[str], None]
+    index_file: str
+    config: str
+    label: str
+
+
+def upload_safetensors(
+    url: str, writer: Any, overwrite: bool, progress: bool | None, describe: Callable[[], RemoteFiles],
+    buffer_fraction: float = 0.12, what: str = "preset",
 ) -> None:
+    """Steps 1 to 4 of the module doc into `writer`, run by every process:
+    the target claimed, then `describe()` (every process) says what to
+    upload. Also the PEFT adapter's save (`save.lora_adapter`); `what` the
+    target must not hold already (errors say it).
+
+    Raises:
+        SaveError: On every process: the target cannot be written or holds
+            files (without `overwrite`), before any byte is uploaded; an
+            upload or the publish failed (every upload is aborted then).
+    """
     first = jax.process_index() == 0
     found: list[dict[str, Any]] = []
-    error = _guard(lambda: found.append(claim_remote(writer, overwrite))) if first else None
+    error = _guard(lambda: found.append(claim_remote(writer, overwrite, what))) if first else None
     _processes.check_all(error, SaveError, f"Cannot save to {url!r}")
-    mapping, layout, weight_set = checked_mapping(backbone, task, dtype, max_shard_size)
+    files = describe()
+    mapping, layout = files.mapping, files.layout
     names = [f.name for f in layout.files]
     folder = tempfile.mkdtemp(prefix="khd-export-", dir=memory_dir())
     owner = OwnerRecord(writer, _processes.broadcast_string(secrets.token_hex(6)))
@@ -131,7 +189,7 @@ def _export(
     try:
         if first:
             def start() -> None:
-                write_hf_files(folder, backbone, task, mapping.config)
+                files.write_files(folder)
                 start_uploads(writer, owner, names, uploads)
 
             error = _guard(start)
@@ -141,7 +199,7 @@ def _export(
         planned: list[Any] = []
 
         def plan() -> None:
-            indices = device_indices_of(mapping, weight_set)
+            indices = files.indices()
             count = jax.process_count()
             plans = [plan_blocks(mapping, layout, "", indices, process_index=p, process_count=count)[0]
                      for p in range(count)]
@@ -151,15 +209,14 @@ def _export(
         _processes.check_all(error, SaveError, "Planning the writes failed")
         plans, steps = planned
 
-        digests, parts, error = _upload(writer, backbone, layout, uploads, plans, steps, progress, url,
-                                        buffer_fraction)
+        digests, parts, error = _upload(writer, files, uploads, plans, steps, progress, url, buffer_fraction)
         _processes.check_all(error, SaveError, f"Uploading the weights into {url!r} failed")
 
         def finish(digests: np.ndarray, merged: dict[str, list]) -> None:
             paths = [os.path.join(folder, n) for n in names]
-            with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
+            with open(os.path.join(folder, files.index_file), "w", encoding="utf-8") as f:
                 f.write(checksummed_index(layout, paths, digests))
-            publish(writer, folder, paths, uploads, merged, found[0], {"config": "config.json"})
+            publish(writer, folder, paths, uploads, merged, found[0], {"config": files.config})
 
         publish_job(url, uploads, digests, parts, first, finish)
     finally:
@@ -249,13 +306,13 @@ def _saved_by(layer: Any) -> dict[str, Any]:
 
 
 def _upload(
-    writer: Any, backbone: Any, layout: Any, uploads: dict[str, str], plans: list[dict[str, list[Any]]],
+    writer: Any, files: RemoteFiles, uploads: dict[str, str], plans: list[dict[str, list[Any]]],
     steps: list[Any], progress: bool | None, url: str, buffer_fraction: float,
 ) -> tuple[np.ndarray, dict[str, list[tuple[int, str]]], str | None]:
     """Takes every step in order, writing this process's into the parts;
     returns this process's rows of the chunk digests, its parts per file,
     and its first error as a message."""
-    me, count = jax.process_index(), jax.process_count()
+    me, count, layout = jax.process_index(), jax.process_count(), files.layout
     part_bytes = checksums.CHUNK_BYTES  # a part is a checksum chunk: hashed as uploaded
     sizes = {f.name: f.size for f in layout.files}
     keys = checksums.all_chunks(list(sizes.values()))
@@ -274,13 +331,22 @@ def _upload(
     def on_part(name: str, number: int, data: memoryview) -> None:
         table[row_of[(number_of[name], number - 1)]] = np.frombuffer(hashlib.sha256(data).digest(), np.uint8)
 
+    holes = unwritten(steps, sizes, {n: len(h) for n, h in headers.items()})
+
     def prefill(name: str, start: int, stop: int, buffer: np.ndarray) -> int:
-        # A safetensors file's only bytes that are not values: its header.
+        # A safetensors file's bytes that are not values: its header, and
+        # the zeros no tensor piece writes (an adapter's padding).
         header = headers[name][start:stop]
         buffer[: len(header)] = np.frombuffer(header, np.uint8)
-        return len(header)
+        filled = len(header)
+        for low, high in holes.get(name, ()):
+            low, high = max(low, start), min(high, stop)
+            if low < high:
+                buffer[low - start : high - start] = 0
+                filled += high - low
+        return filled
 
-    files = {
+    targets = {
         n: FileUpload(n, sizes[n], uploads[n], parts_plan[n].owned_by(me), parts_plan[n].mixed) for n in sizes
     }
     # Host memory: part buffers of about `buffer_fraction` of the weights (4
@@ -288,11 +354,11 @@ def _upload(
     # uploading, one opening).
     buffers = max(4, min(16, int(buffer_fraction * sum(sizes.values()) / part_bytes)),
                   peak_open_parts(steps, me, part_bytes) + 2)
-    sink = PartUploads(writer, files, part_bytes=part_bytes, max_buffers=buffers, num_threads=buffers - 1,
+    sink = PartUploads(writer, targets, part_bytes=part_bytes, max_buffers=buffers, num_threads=buffers - 1,
                        prefill=prefill, on_part=on_part)
     combiner = Combiner(sink, parts_plan)
     errors: list[str] = []
-    _run_steps(backbone, plans[me], steps, sink, combiner, sizes, errors, progress, url)
+    _run_steps(files, plans[me], steps, sink, combiner, sizes, errors, progress, url)
     for name, size in sizes.items():  # parts no step writes (the header's alone), and any left
         combiner.advance(name, len(steps), size, size, errors)
     parts, error = finish_parts(sink, errors)
@@ -300,7 +366,7 @@ def _upload(
 
 
 def _run_steps(
-    backbone: Any, mine: dict[str, list[Any]], steps: list[Any], sink: PartUploads, combiner: Combiner,
+    files: RemoteFiles, mine: dict[str, list[Any]], steps: list[Any], sink: PartUploads, combiner: Combiner,
     sizes: dict[str, int], errors: list[str], progress: bool | None, url: str,
 ) -> None:
     """Every step, in order, on every process: the value fetched (computed
@@ -311,8 +377,8 @@ def _run_steps(
     on_cpu = all(d.platform == "cpu" for d in jax.local_devices())
     writer = PieceWriter(sink)
     total = sum(s.runs.nbytes for s in steps if s.process == me)
-    bar = byte_progress(total, f"Exporting {os.path.basename(url.rstrip('/'))}", progress)
-    values = _Values(backbone)
+    bar = byte_progress(total, f"{files.label} {os.path.basename(url.rstrip('/'))}", progress)
+    values = files.values()
     current: tuple[str | None, Any, Any] = (None, None, None)  # dataset, its shards, its host copy
     try:
         for index, step in enumerate(steps):

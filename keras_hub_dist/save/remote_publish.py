@@ -56,7 +56,7 @@ from keras_hub_dist.save.part_plan import FileParts
 from keras_hub_dist.storage.part_uploads import PartUploads
 
 __all__ = [
-    "COMBINE_BYTES", "LEASE_SECONDS", "SCHEMES", "Combiner", "OwnerRecord", "agreed_url", "claim_remote",
+    "COMBINE_BYTES", "LEASE_SECONDS", "SCHEMES", "Combiner", "OwnerRecord", "agreed_url", "check_url", "claim_remote",
     "memory_dir", "publish", "reduce_on", "start_uploads",
 ]
 
@@ -68,12 +68,31 @@ LEASE_SECONDS = 120.0
 OWNER_PREFIX = ".khd-save-"
 
 
-def agreed_url(url: str) -> None:
+def check_url(url: str, durable: bool, argument: str = "preset_dir") -> None:
+    """Raises `SaveError` unless `url` is a bucket this package writes to
+    and `durable` is False (an object is durable once written)."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in SCHEMES:
+        raise SaveError(
+            f"Expected {argument} to be a local directory or an object store URL "
+            f"({', '.join(s + '://' for s in SCHEMES)}). Received: {url!r}. "
+            + ("Pushing to the Hugging Face Hub is not supported: save to a local directory, "
+               "then upload it with `huggingface-cli upload`." if scheme == "hf" else
+               "Save to a local directory or a bucket.")
+        )
+    if durable:
+        raise SaveError(
+            f"Expected durable=False for a save into {url!r} (an object is durable once "
+            f"written). Received: durable={durable!r}."
+        )
+
+
+def agreed_url(url: str, argument: str = "preset_dir") -> None:
     """Raises `SaveError` (on every process) unless every process passed `url`."""
     targets = _processes.gather_strings(url)
     if len(set(targets)) > 1:
         raise SaveError(
-            "Expected every process to pass the same preset_dir. Received: "
+            f"Expected every process to pass the same {argument}. Received: "
             + ", ".join(f"process {i}: {t!r}" for i, t in enumerate(targets)) + "."
         )
 
@@ -94,9 +113,10 @@ def memory_dir() -> str | None:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
-def claim_remote(writer: Any, overwrite: bool) -> dict[str, Any]:
+def claim_remote(writer: Any, overwrite: bool, what: str = "preset") -> dict[str, Any]:
     """Aborts what dead saves to the target left (warning with what), then
-    checks the target may be written; returns what it holds now."""
+    checks the target may be written (it holds no `what`, or `overwrite`);
+    returns what it holds now."""
     writer.check_writable()
     listing = writer.list()
     removed = _sweep_stale(writer, listing)
@@ -110,7 +130,7 @@ def claim_remote(writer: Any, overwrite: bool) -> dict[str, Any]:
     if existing and not overwrite:
         shown = ", ".join(sorted(existing)[:5]) + (" ..." if len(existing) > 5 else "")
         raise SaveError(
-            f"Expected {writer.location} to hold no preset. Received: {len(existing)} "
+            f"Expected {writer.location} to hold no {what}. Received: {len(existing)} "
             f"object(s) there ({shown}). Pass overwrite=True to replace it, or choose another prefix."
         )
     return existing
