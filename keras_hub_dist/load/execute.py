@@ -26,7 +26,9 @@ The thin second phase of loading. For every variable of the plan:
    filled round by round: each round's parts, read by the processes that
    hold them, are gathered across the processes' devices and written in
    place by one SPMD program (the array is donated), so no device holds
-   more than the variable plus one round's pieces.
+   more than the variable plus one round's pieces. On CPU each round's
+   program is waited for before anything else is dispatched (XLA's CPU
+   client could otherwise deadlock the job, see `_await_collective`).
 
 Reading runs ahead: worker threads read whole variables, in plan order, while
 the caller places earlier ones (at most `PREFETCH_BYTES` read ahead), so
