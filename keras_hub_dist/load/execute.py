@@ -26,7 +26,9 @@ The thin second phase of loading. For every variable of the plan:
    filled round by round: each round's parts, read by the processes that
    hold them, are gathered across the processes' devices and written in
    place by one SPMD program (the array is donated), so no device holds
-   more than the variable plus one round's pieces.
+   more than the variable plus one round's pieces. On CPU each round's
+   program is waited for before anything else is dispatched (XLA's CPU
+   client could otherwise deadlock the job, see `_await_collective`).
 
 Reading runs ahead: worker threads read whole variables, in plan order, while
 the caller places earlier ones (at most `PREFETCH_BYTES` read ahead), so
@@ -345,8 +347,33 @@ def _exchange(
         )
         created[-1] = array = update(array, pieces, round_.offset)
         pieces.delete()
+        if placer.on_cpu:
+            _await_collective(array)
     created.pop()
     return array
+
+
+def _await_collective(array: jax.Array) -> None:
+    """Waits for the cross-process program that computes `array`.
+
+    XLA's CPU client runs both the launch of a program on each local device
+    and each device's share of a running program on one thread pool of
+    `max(cores, local devices)` threads, and a launch waits on that pool
+    thread while its device has 32 programs in flight. Dispatching the
+    rounds' programs without waiting (each returns at once) lets the
+    in-flight programs reach 32 when the exchanged variables are many and
+    small (a LoRA adapter's factors: 2 programs per variable, no host work
+    between them); the next launch then holds a pool thread, the oldest
+    cross-process program cannot run on all its devices, its gather waits
+    forever for the missing ones, and the job deadlocks (4 CPU devices per
+    process on 2 cores: 4 threads). Waiting here keeps at most one
+    cross-process program in flight, and no launch on the pool while it
+    runs, so every device's share of it finds a thread. The other
+    processes wait for the same program: plan order is the same everywhere.
+    GPU and TPU clients run a program's shares on streams, not on the
+    launching pool, so there the rounds keep overlapping with placement.
+    """
+    array.block_until_ready()
 
 
 def _buffer_sizes(plan: LoadPlan) -> Iterator[int]:

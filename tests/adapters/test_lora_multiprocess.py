@@ -25,17 +25,6 @@ WORKER = pathlib.Path(__file__).with_name("lora_save_worker.py")
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/proc) and loopback"),
-    # A known bug, not yet found: in about 1 run in 5 the two processes'
-    # adapter loads deadlock in the load's cross-process exchange (process 0
-    # creating the next exchanged array, `load/execute.py` `_exchange`,
-    # process 1 still in the previous round's update), seen on this 2-core
-    # machine and in a clean-clone CI run. Skipped so that a hang does not
-    # stop every other check from landing; run it with KHD_RUN_KNOWN_HANG=1.
-    pytest.mark.skipif(
-        os.environ.get("KHD_RUN_KNOWN_HANG") != "1",
-        reason="known intermittent deadlock of a 2-process adapter load (load/execute.py _exchange); "
-               "KHD_RUN_KNOWN_HANG=1 runs it",
-    ),
 ]
 
 
