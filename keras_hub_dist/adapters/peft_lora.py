@@ -31,12 +31,14 @@ lm = keras_hub_dist.load_sharded_preset("./gemma_7b_hf", task="causal_lm", lora_
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 import numpy as np
 
-from keras_hub_dist import _compat
+from keras_hub_dist import _compat, _processes
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats import checksums, peft
 from keras_hub_dist.formats.base import CheckpointIndex, Index, IndexedVariable, StoredTensorSource, TensorSource, listing, numpy_dtype
@@ -63,6 +65,11 @@ def enable_lora(
     named as Transformers names them, each with one rank-`r` update, exactly
     what a PEFT `LoraConfig(r=rank, lora_alpha=..., target_modules=...)`
     trains. The rest of the backbone is frozen, as `enable_lora` does.
+    `lora_A` starts as Keras's (`he_uniform`, `lora_B` zeros), from seeds
+    process 0 draws (with Python's `random`, which
+    `keras.utils.set_random_seed` seeds) and every process uses: in a job of
+    several processes each process drawing its own would give one variable
+    different values on different hosts, which JAX refuses.
 
     Args:
         model: A KerasHub backbone or task (of a family that exports to the
@@ -90,8 +97,11 @@ def enable_lora(
     _check_targets(tuple(target_modules), modules, ValueError)
     chosen = [(layer, m) for layer, m in modules if m.target in set(target_modules)]
     _freeze_except(backbone, [layer for layer, _ in chosen])
-    for layer, _ in chosen:
-        lora_layers.enable_lora(layer, rank, lora_alpha)
+    seed = int(_processes.broadcast_string(str(random.getrandbits(31))))
+    for i, (layer, _) in enumerate(chosen):
+        # Keras's "he_uniform", with a seed every process agrees on.
+        he_uniform = keras.initializers.VarianceScaling(2.0, "fan_in", "uniform", seed=seed + i)
+        lora_layers.enable_lora(layer, rank, lora_alpha, a_initializer=he_uniform)
     return [layer.path for layer, _ in chosen]
 
 

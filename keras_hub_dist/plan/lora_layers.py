@@ -94,7 +94,9 @@ def _split_class(cls: type) -> type:
     return type(cls.__name__, (_SplitLora, cls), {"__module__": __name__, "__qualname__": cls.__qualname__})
 
 
-def enable_lora(layer: Any, rank: int, lora_alpha: float | None = None) -> None:
+def enable_lora(
+    layer: Any, rank: int, lora_alpha: float | None = None, a_initializer: Any = "he_uniform"
+) -> None:
     """Enables LoRA on `layer` in PEFT's factorization (see the module).
 
     Args:
@@ -103,6 +105,7 @@ def enable_lora(layer: Any, rank: int, lora_alpha: float | None = None) -> None:
         rank: The rank `r`.
         lora_alpha: The scale numerator: updates are scaled by
             `lora_alpha / rank`, as in Keras and PEFT; default `rank`.
+        a_initializer: The initializer of `lora_kernel_a` (Keras's default).
 
     Raises:
         ValueError: A layer of another kind, a quantized layer (Keras's own
@@ -119,7 +122,7 @@ def enable_lora(layer: Any, rank: int, lora_alpha: float | None = None) -> None:
         raise ValueError(f"Expected an unquantized layer for LoRA. Received: {layer.path!r} ({layer.quantization_mode}).")
     shape = tuple(int(d) for d in layer.kernel.shape)
     if inputs == tuple(range(len(shape) - 1)):
-        layer.enable_lora(rank, lora_alpha=lora_alpha)
+        layer.enable_lora(rank, lora_alpha=lora_alpha, a_initializer=a_initializer)
         return
     outputs = [d for i, d in enumerate(shape) if i not in inputs]
     layer.__class__ = _split_class(type(layer))
@@ -127,7 +130,7 @@ def enable_lora(layer: Any, rank: int, lora_alpha: float | None = None) -> None:
     object.__setattr__(layer, "_khd_lora_inputs", inputs)
     object.__setattr__(layer, "_khd_lora_shape", tuple(shape[i] for i in inputs) + (math.prod(outputs),))
     try:
-        layer.enable_lora(rank, lora_alpha=lora_alpha)
+        layer.enable_lora(rank, lora_alpha=lora_alpha, a_initializer=a_initializer)
     finally:
         object.__setattr__(layer, "_khd_lora_shape", None)
 
