@@ -27,25 +27,23 @@ connections:
   answered and what to do.
 
 Why urllib3 and not a storage SDK, measured (`benchmarks/bench_remote.py
---clients`, 2026-11-24; BENCHMARKS.md "Remote checkpoints (issue 20)"): the
-3.8 GB probe file fetched whole as 16 MiB ranges into one aligned buffer from
-a loopback server that adds 20 ms per request and caps each connection at
-50 MB/s (median of 3 runs; without latency or cap in brackets): this client,
-16 in flight, 6.40 s (1.86 s); the same reading bodies through urllib3's
-`readinto`, 6.91 s (2.56 s); obstore's `get_range_async`, 16 in flight,
-7.73 s (2.51 s), 0.38 GB (0.33 GB) of host memory beyond the buffer; fsspec's
-HTTPFileSystem `cat_ranges` (aiohttp), 16 in flight, 11.20 s (5.83 s),
-1.33 GB (1.30 GB) beyond the buffer (a window's ranges come back as `bytes`);
-obstore's `get_ranges`, 86.87 s (4.56 s): it merges adjacent ranges into one
-request (4 requests for the file), so one connection at 50 MB/s. This client
-grew the host's memory by 1.13 MB (1.21 MB) beyond the buffer. The APIs that
-return each range as a new object need one more copy into the block's buffer
-and retry a range whole; urllib3 (pooled keep-alive connections, timeouts,
-already installed with `requests`) lets a body land in its final buffer and a
-cut body resume where it stopped. s3fs, gcsfs and the Hub's `HfFileSystem`
-were not measured (s3fs and gcsfs are fsspec filesystems on aiohttp whose
-`cat_ranges` returns `bytes` the same way). Credentials and addressing stay
-with each store's own library (`storage.object_stores`).
+--clients`, 2026-11-24; BENCHMARKS.md "Remote checkpoints"): the 3.8 GB
+probe fetched whole as 16 MiB ranges into one aligned buffer from a loopback
+server adding 20 ms per request and capping each connection at 50 MB/s
+(median of 3; without latency or cap in brackets): this client, 16 in
+flight, 6.40 s (1.86 s), 1.13 MB (1.21 MB) of host memory beyond the
+buffer; bodies through urllib3's `readinto`, 6.91 s (2.56 s); obstore's
+`get_range_async`, 16 in flight, 7.73 s (2.51 s), 0.38 GB (0.33 GB) beyond
+the buffer; fsspec's HTTPFileSystem `cat_ranges` (aiohttp), 11.20 s
+(5.83 s), 1.33 GB (1.30 GB) beyond; obstore's `get_ranges`, 86.87 s
+(4.56 s): it merges adjacent ranges into one request, one connection at
+50 MB/s. APIs that return each range as a new object need one more copy and
+retry a range whole; urllib3 (pooled keep-alive connections, timeouts,
+installed with `requests`) lets a body land in its final buffer and a cut
+body resume where it stopped. s3fs, gcsfs and `HfFileSystem` were not
+measured (fsspec filesystems on aiohttp whose `cat_ranges` returns `bytes`
+the same way). Credentials and addressing stay with each store's own
+library (`storage.object_stores`).
 
 Example:
 
@@ -87,6 +85,10 @@ __all__ = [
 # bytes in flight per process at 256 MiB.
 DEFAULT_CONCURRENCY = 16
 DEFAULT_CHUNK_BYTES = 16 << 20
+# Bodies go out a MiB per `sendall`: urllib3 sends a bytes-like one whole, in
+# one `sendall` whose timeout (the connect timeout, 20 s) bounds the whole
+# body: a 64 MiB part failed below 3.4 MB/s per connection.
+SEND_PIECE_BYTES = 1 << 20
 # A body is read in pieces of at most this size (each a `readinto`).
 _READ_STEP = 1 << 20
 # Where a process's connections come from (`RangeClient(source_address=)`).
@@ -253,17 +255,19 @@ class RangeClient:
         body: Any = None,
     ) -> Any:
         """One whole request with the store's headers (metadata, listings,
-        small files, uploads: `body` is a bytes-like sent as it is, whole
-        again on each try), retried while it may pass.
+        small files, uploads: `body`, a bytes-like, is sent whole again on
+        each try, a MiB per `sendall`), retried while it may pass.
 
         Returns:
-            The urllib3 response, its body read. A status that will not
-            pass (4xx) is returned for the caller to judge.
+            The urllib3 response, its body read (a 4xx is the caller's to judge).
 
         Raises:
             PresetError: It still failed after the last try.
         """
         all_headers = {**self.base_headers, **(headers or {})}
+        view = memoryview(body).cast("B") if body is not None else None
+        if in_pieces := view is not None and view.nbytes > SEND_PIECE_BYTES:
+            all_headers["Content-Length"] = str(view.nbytes)  # not chunked: stores want the length
         cause: Exception | None = None
         for attempt in range(self.retry.attempts):
             if attempt:
@@ -272,15 +276,14 @@ class RangeClient:
                 time.sleep(self.retry.delay(attempt - 1, getattr(cause, "retry_after", None)))
             try:
                 signed = {**all_headers, **signer.headers(method, url, all_headers)}
+                steps = range(0, view.nbytes, SEND_PIECE_BYTES) if in_pieces else ()
                 response = self._pool.request(
-                    method, url, body=body, headers=signed, redirect=redirect,
-                    retries=_follow(redirect),
-                )
+                    method, url, body=(view[i : i + SEND_PIECE_BYTES] for i in steps) if in_pieces else body,
+                    headers=signed, redirect=redirect, retries=_follow(redirect))
             except (urllib3.exceptions.HTTPError, OSError) as e:
                 cause = e
                 continue
-            sent = memoryview(body).nbytes if body is not None else 0
-            self._count(requests=1, received=len(response.data or b""), sent=sent)
+            self._count(requests=1, received=len(response.data or b""), sent=view.nbytes if view else 0)
             if response.status not in _RETRY_STATUSES:
                 return response
             cause = _Retryable(f"HTTP {response.status}", _retry_after(response))

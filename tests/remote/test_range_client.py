@@ -30,3 +30,20 @@ def test_bodies_land_in_the_buffers_without_a_copy(range_server, monkeypatch):
     gets = range_server.requests("GET", key="d/blob.bin")
     assert sorted((r.start, r.end) for r in gets) == [
         (5, 5 + (1 << 20)), (5 + (1 << 20), 5 + (2 << 20)), (5 + (2 << 20), len(data) - 5)]
+
+
+def test_a_large_body_on_a_slow_link_is_sent_in_pieces(tmp_path):
+    """A 12 MiB body over a 4 MB/s link (3 s) with a 1 s socket timeout
+    arrives: the timeout bounds each MiB sent, not the whole body (sent in
+    one `sendall`, it bounded the whole body: every try timed out)."""
+    from remote import servers
+
+    body = np.random.default_rng(1).integers(0, 256, 12 << 20, dtype=np.uint8)
+    retry = ranged_http.RetryPolicy(attempts=1, connect_timeout_s=1.0)
+    with servers.RangeServer(bytes_per_second_per_address=4e6) as server, \
+            ranged_http.RangeClient(retry=retry) as client:
+        store = open_store(f"{server.url}/d", client)
+        response = client.request("PUT", f"{server.url}/d/part", store, body=memoryview(body))
+        [put] = server.requests("PUT")
+    assert response.status == 405  # a server that takes no uploads, after reading the body
+    assert put.bytes_received == body.nbytes and client.bytes_sent == body.nbytes
