@@ -468,7 +468,14 @@ class RangeServer:
         upload_cut = None
         if faultable and length and self._hit("cut", method, draw_path, range_header, self.cut_rate):
             upload_cut = int(self._draw("cut-at", method, draw_path, range_header) * length)
-        body = self._read_body(h, host, upload_cut)
+        # A proxied upload with nothing to inject goes upstream as it arrives,
+        # at the address's pace, as a store takes a body: read whole first, a
+        # part reached moto only once the link had carried all of it, and the
+        # link idled while moto took the parts handed to it at once.
+        streamed = (self.upstream and method in ("PUT", "POST") and length > CHUNK and upload_cut is None
+                    and not (self.fail_rate or self.cut_rate or self.fault_first_tries or self.status_for
+                             or self.require_token or self.upstream_hook))
+        body = _PacedBody(self, h, host, length) if streamed else self._read_body(h, host, upload_cut)
         process = h.headers.get("X-Khd-Process")
         process = int(process) if process and process.strip().lstrip("-").isdigit() else None
         start, end = requested_range(range_header)
@@ -486,6 +493,8 @@ class RangeServer:
             reply, fault = self._reply(h, method, raw_path, path, query, body, faultable, draw_path)
         except (OSError, urllib3.exceptions.HTTPError) as e:  # the upstream failed
             reply, fault = self.error(502, f"Upstream {self.upstream} failed: {e!r}"), None
+        if streamed:
+            common["bytes_received"] = body.received
         cut_at = None
         if (faultable and method != "HEAD" and body is None and reply.length and fault is None
                 and self._hit("cut", method, raw_path, range_header, self.cut_rate)):
@@ -591,6 +600,30 @@ class RangeServer:
     def _wait(self, seconds: float) -> None:
         if seconds > 0:
             self._stopping.wait(seconds)
+
+
+class _PacedBody:
+    """A request body read from the client at its address's pace while it
+    is sent upstream (`len`: its Content-Length); a client gone mid-body
+    fails the upstream request rather than leave it waiting."""
+
+    def __init__(self, server: RangeServer, h, host: str, length: int) -> None:
+        self.server, self.h, self.host, self.length = server, h, host, length
+        self.received = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        while self.received < self.length:
+            n = min(CHUNK, self.length - self.received)
+            self.server._pace(self.host, n)
+            piece = self.h.rfile.read(n)
+            if not piece:
+                raise ConnectionAbortedError(f"the client sent {self.received} of {self.length} bytes")
+            self.received += len(piece)
+            self.server._moved(self.host, len(piece))
+            yield piece
 
 
 def _part_number(query: str, header: str | None) -> int | None:
