@@ -33,7 +33,7 @@ from remote import stores
 from tests.formats.hf import dense
 from tests.formats.hf.writer import write_hf_checkpoint
 from tests.multiprocess_jobs import run_job
-from tests.remote.test_remote_save import _bucket, _local_files, _objects
+from tests.remote.test_remote_save import _local_files, _objects
 
 # The S3 (moto) and GCS (gcp-storage-emulator) fixtures of tests/remote/, as this module's.
 moto_server, gcs_server = remote_fixtures.moto_server, remote_fixtures.gcs_server
@@ -83,7 +83,7 @@ def _lora(model):
 
 
 def _target(server, scheme, prefix="adapters/v1"):
-    url = f"{scheme}://{_bucket(server, scheme)}/{prefix}"
+    url = f"{scheme}://{stores.fresh_bucket(server)}/{prefix}"
     return url, uploads.open_writer(url)
 
 

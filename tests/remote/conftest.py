@@ -34,6 +34,9 @@ import threading
 
 import pytest
 
+from keras_hub_dist.formats import checksums
+from keras_hub_dist.storage import uploads
+
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if TESTS not in sys.path:  # tests/conftest.py's folder is there under pytest already
     sys.path.insert(0, TESTS)
@@ -132,3 +135,18 @@ def remote_checkpoint(request, monkeypatch, tmp_path):
             return remotes
 
         yield upload
+
+
+@pytest.fixture
+def small_parts(monkeypatch):
+    """5 MiB parts and checksum chunks, so tiny models upload several parts."""
+    monkeypatch.setattr(checksums, "CHUNK_BYTES", 5 << 20)
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request):
+    """`(scheme, url of a fresh bucket's prefix, writer)` with the env set."""
+    scheme = request.param
+    server = request.getfixturevalue("s3" if scheme == "s3" else "gcs")
+    url = f"{scheme}://{remote_stores.fresh_bucket(server)}/presets/tuned"
+    return scheme, url, uploads.open_writer(url)

@@ -393,6 +393,13 @@ def checkpoint_everywhere(local_dir: str, *, s3: MotoS3 | None, gcs: GcsEmulator
         yield remotes
 
 
+def fresh_bucket(server: MotoS3 | GcsEmulator) -> str:
+    """The name of a new, empty bucket on `server`."""
+    name = f"b-{uuid.uuid4().hex[:10]}"
+    server.create_bucket(name)
+    return name
+
+
 def fail_second_part(monkeypatch, writer) -> callable:
     """Makes `writer`'s class fail the second part upload of a save (a
     `SaveError` "injected by the test"); returns the real `upload_part`, to

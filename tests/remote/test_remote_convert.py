@@ -14,7 +14,8 @@ from keras_hub_dist import write_synthetic_preset
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.storage import uploads
 from keras_hub_dist.validate import cli, convert_remote
-from tests.remote.test_remote_save import _bucket, _local_files, _objects
+from remote import stores
+from tests.remote.test_remote_save import _local_files, _objects
 
 # About 24 MB of float32: several 5 MiB parts (moto's real minimum).
 WIDE = dict(vocabulary_size=20_000, num_layers=2, num_query_heads=8, num_key_value_heads=4,
@@ -64,7 +65,7 @@ def _same_preset(url, remote, local_dir):
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_convert_into_a_bucket_is_the_local_conversion(sources, request, scheme, tmp_path, monkeypatch):
     server = request.getfixturevalue("s3" if scheme == "s3" else "gcs")
-    bucket = _bucket(server, scheme)
+    bucket = stores.fresh_bucket(server)
     monkeypatch.chdir(tmp_path)
     orders = []
     real = convert_remote.buffers_needed
@@ -89,9 +90,9 @@ def test_convert_into_a_bucket_is_the_local_conversion(sources, request, scheme,
 
 
 def test_convert_s3_to_gcs_with_no_local_copy(sources, s3, gcs, monkeypatch, tmp_path):
-    src = f"s3://{_bucket(s3, 's3')}/keras"
+    src = f"s3://{stores.fresh_bucket(s3)}/keras"
     save_sharded_preset(load_sharded_preset(sources["keras"], mesh=(1, 8), progress=False), src)
-    dst = f"gs://{_bucket(gcs, 'gs')}/hf"
+    dst = f"gs://{stores.fresh_bucket(gcs)}/hf"
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     convert_checkpoint(src, dst, to="huggingface", max_shard_size=0.012, progress=False)
@@ -104,7 +105,7 @@ def test_convert_s3_to_gcs_with_no_local_copy(sources, s3, gcs, monkeypatch, tmp
 
 
 def test_bad_targets_fail_before_any_upload(sources, s3):
-    bucket = _bucket(s3, "s3")
+    bucket = stores.fresh_bucket(s3)
     with pytest.raises(SaveError, match="huggingface-cli upload"):
         convert_checkpoint(sources["keras"], "hf://owner/name", to="huggingface")
     with pytest.raises(SaveError, match="nonexistent-bucket"):

@@ -13,12 +13,11 @@ import pytest
 from conftest import MESH_SHAPES
 
 from keras_hub_dist import SaveError, StaleStagingWarning, load_sharded_preset, save_sharded_preset, write_synthetic_preset
-from keras_hub_dist.formats import checksums
 from keras_hub_dist.save import hf_export, remote_publish
 from keras_hub_dist.save.hf_part_plan import peak_open_parts, plan_steps
 from keras_hub_dist.storage import uploads
 from remote import stores
-from tests.remote.test_remote_save import _bucket, _local_files, _objects
+from tests.remote.test_remote_save import _local_files, _objects
 
 # Over 20 MiB of float32 (an untied head beside the embedding): with 5 MiB
 # parts (moto's real minimum) several parts, and with 2 shards two files.
@@ -46,19 +45,6 @@ def models(preset, tmp_path_factory):
         return out[mesh]
 
     return get
-
-
-@pytest.fixture
-def small_parts(monkeypatch):
-    monkeypatch.setattr(checksums, "CHUNK_BYTES", 5 << 20)
-
-
-@pytest.fixture(params=["s3", "gs"])
-def store(request):
-    scheme = request.param
-    server = request.getfixturevalue("s3" if scheme == "s3" else "gcs")
-    url = f"{scheme}://{_bucket(server, scheme)}/exports/tuned"
-    return scheme, url, uploads.open_writer(url)
 
 
 def _assert_same(remote, local):
@@ -102,7 +88,7 @@ def test_lora_merged_and_bfloat16(preset, s3, tmp_path):
     rng = np.random.default_rng(0)
     for variable in model.trainable_variables:
         variable.assign(rng.standard_normal(variable.shape).astype("float32") * 0.1)
-    url = f"s3://{_bucket(s3, 's3')}/lora"
+    url = f"s3://{stores.fresh_bucket(s3)}/lora"
     save_sharded_preset(model, url, format="huggingface", dtype="bfloat16", progress=False)
     save_sharded_preset(model, str(tmp_path / "local"), format="huggingface", dtype="bfloat16", progress=False)
     _assert_same(_objects(uploads.open_writer(url)), _local_files(str(tmp_path / "local")))
@@ -149,7 +135,7 @@ def test_bad_targets_fail_before_any_upload(models, s3):
         save_sharded_preset(model, "s3://nonexistent-bucket/x", format="huggingface")
     with pytest.raises(SaveError, match="huggingface-cli upload"):
         save_sharded_preset(model, "hf://owner/name", format="huggingface")
-    bucket = _bucket(s3, "s3")
+    bucket = stores.fresh_bucket(s3)
     save_sharded_preset(model, f"s3://{bucket}/p", format="huggingface")
     with pytest.raises(SaveError, match="overwrite=True"):
         save_sharded_preset(model, f"s3://{bucket}/p", format="huggingface")

@@ -8,7 +8,6 @@ import json
 import os
 import secrets
 import time
-import uuid
 
 import keras_hub
 import numpy as np
@@ -37,30 +36,6 @@ def presets(tmp_path_factory):
         "wide": write_synthetic_preset(str(root / "wide"), keras_hub.models.LlamaBackbone,
                                        dtype="float32", seed=2, **WIDE),
     }
-
-
-@pytest.fixture
-def small_parts(monkeypatch):
-    """5 MiB parts and checksum chunks, so tiny models upload several parts."""
-    monkeypatch.setattr(checksums, "CHUNK_BYTES", 5 << 20)
-
-
-def _bucket(store, scheme):
-    name = f"b-{uuid.uuid4().hex[:10]}"
-    if scheme == "s3":
-        store.client().create_bucket(Bucket=name)
-    else:
-        store.create_bucket(name)
-    return name
-
-
-@pytest.fixture(params=["s3", "gs"])
-def store(request):
-    """`(scheme, url of a fresh bucket's prefix, writer)` with the env set."""
-    scheme = request.param
-    server = request.getfixturevalue("s3" if scheme == "s3" else "gcs")
-    url = f"{scheme}://{_bucket(server, scheme)}/presets/tuned"
-    return scheme, url, uploads.open_writer(url)
 
 
 def _objects(writer):
@@ -139,7 +114,7 @@ def test_nothing_written_to_local_disk_but_small_files_in_memory(presets, store,
 
 def test_url_is_never_a_local_path(presets, s3, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    bucket = _bucket(s3, "s3")
+    bucket = stores.fresh_bucket(s3)
     decoy = tmp_path / "s3:" / bucket / "x"
     decoy.parent.mkdir(parents=True)
     os.symlink(presets["small"], decoy)  # a valid preset at the URL's local twin
@@ -228,7 +203,7 @@ def test_bad_targets_fail_before_any_upload(presets, s3, tmp_path):
     model = load_sharded_preset(presets["small"], mesh=(1, 8), progress=False)
     with pytest.raises(SaveError, match="nonexistent-bucket"):
         save_sharded_preset(model, "s3://nonexistent-bucket/x")
-    bucket = _bucket(s3, "s3")
+    bucket = stores.fresh_bucket(s3)
     url = f"s3://{bucket}/p"
     save_sharded_preset(model, url)
     with pytest.raises(SaveError, match="overwrite=True"):
