@@ -276,10 +276,10 @@ class RangeClient:
                 time.sleep(self.retry.delay(attempt - 1, getattr(cause, "retry_after", None)))
             try:
                 signed = {**all_headers, **signer.headers(method, url, all_headers)}
-                steps = range(0, view.nbytes, SEND_PIECE_BYTES) if in_pieces else ()
-                response = self._pool.request(
-                    method, url, body=(view[i : i + SEND_PIECE_BYTES] for i in steps) if in_pieces else body,
-                    headers=signed, redirect=redirect, retries=_follow(redirect))
+                sent_body = ((view[i : i + SEND_PIECE_BYTES] for i in range(0, view.nbytes, SEND_PIECE_BYTES))
+                             if in_pieces else body)  # a fresh iterator per try
+                response = self._pool.request(method, url, body=sent_body, headers=signed,
+                                              redirect=redirect, retries=_follow(redirect))
             except (urllib3.exceptions.HTTPError, OSError) as e:
                 cause = e
                 continue
