@@ -23,10 +23,13 @@ before each response: the network, not this machine's CPU or moto's ingest,
 is then what bounds an upload. With `--disk-rate` (root, cgroup v1 `blkio`)
 the `local_upload` case runs in a cgroup whose writes to the work
 directory's disk are capped at that rate, and its local save is
-`durable=True`, so its bytes reach the disk before the upload starts.
-Without the fsync a 3.8 GB preset stays in this 24 GB machine's page cache;
-on a host saving a share larger than its dirty-page limit (20% of RAM by
-default) the kernel holds the writer to the disk's rate the same way. What
+`durable=True`, so its bytes reach the disk before the upload starts; the
+kernel's writeback is held off meanwhile (`vm.dirty_*`, restored after), so
+every byte is written by that fsync, at the capped rate (cgroup v1 throttles
+a process's own writes, not the flusher's). Without the fsync a 3.8 GB
+preset stays in this 24 GB machine's page cache; on a host saving a share
+larger than its dirty-page limit (20% of RAM by default) the kernel holds
+the writer to the disk's rate the same way. What
 `--link-rate R --disk-rate R` stands for: a host whose local disk writes no
 faster than its link to the bucket (a TPU VM's network-attached boot disk
 is slower than its NIC): the local path pays the disk and the link one after
@@ -36,6 +39,12 @@ Measured per case: wall of the save (or save + upload), CPU seconds, host
 RSS growth (peak during the case over the RSS after the load), bytes the
 process wrote to disk (`write_bytes` of /proc/self/io), bytes uploaded; with
 `--memory` also per-device peak / final (the `MemorySampler`, every 2 ms).
+For `ours`, where the time went: when the first part started, the parts'
+window (first start to last end), the share of it with no part in flight,
+the parts' rate over it, and the seconds of CompleteMultipartUpload (moto
+joins the parts in memory: ~35 s for 3.8 GB, which the
+boto3 upload of `local_upload` pays too).
+For `local_upload`, the seconds of the local save.
 
 Usage (heavy: run under the machine's heavy-job lock):
 
@@ -50,6 +59,7 @@ Usage (heavy: run under the machine's heavy-job lock):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -145,13 +155,16 @@ def run_case(args) -> None:
     start = time.perf_counter()
     if sampler is not None:
         sampler.__enter__()
+    phases: dict = {}
     if args.case == "ours":
-        keras_hub_dist.save_sharded_preset(model, f"s3://bench/ours-{args.run}", format=args.format)
+        with _timed_requests(phases):
+            keras_hub_dist.save_sharded_preset(model, f"s3://bench/ours-{args.run}", format=args.format)
     elif args.case == "local_upload":
         from boto3.s3.transfer import TransferConfig
 
         local = os.path.join(args.workdir, f"local-{args.run}")
         keras_hub_dist.save_sharded_preset(model, local, format=args.format, durable=durable)
+        phases["local_save_s"] = time.perf_counter() - start
         client = _s3_client(args.endpoint)
         config = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, max_concurrency=10)
         for root, _, names in os.walk(local):
@@ -175,6 +188,7 @@ def run_case(args) -> None:
         "model_bytes": sum(v.value.nbytes for v in model.weights) if model is not None else weights,
         "rss_growth": max(memory.host_peak_rss_bytes(), memory.current_rss_bytes()) - rss0,
         "disk_written": _disk_written() - disk0,
+        **_phase_summary(phases, start, start + wall),
     }
     if sampler is not None:
         sampler.sample()
@@ -191,6 +205,55 @@ def run_case(args) -> None:
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _timed_requests(phases: dict):
+    """Records when each part upload and each completion of our S3 writer
+    ran (`phases["parts"]`: (start, end, bytes); `phases["completes"]`:
+    (start, end)): where a save's time goes, the link or the store."""
+    from keras_hub_dist.storage import s3_writer
+
+    parts, completes = phases.setdefault("parts", []), phases.setdefault("completes", [])
+    upload_part, complete_upload = s3_writer.S3Writer.upload_part, s3_writer.S3Writer.complete_upload
+
+    def timed_part(self, name, upload_id, number, data):
+        t0 = time.perf_counter()
+        token = upload_part(self, name, upload_id, number, data)
+        parts.append((t0, time.perf_counter(), memoryview(data).nbytes))
+        return token
+
+    def timed_complete(self, name, upload_id, parts_list):
+        t0 = time.perf_counter()
+        complete_upload(self, name, upload_id, parts_list)
+        completes.append((t0, time.perf_counter()))
+
+    s3_writer.S3Writer.upload_part, s3_writer.S3Writer.complete_upload = timed_part, timed_complete
+    try:
+        yield
+    finally:
+        s3_writer.S3Writer.upload_part, s3_writer.S3Writer.complete_upload = upload_part, complete_upload
+
+
+def _phase_summary(phases: dict, start: float, stop: float) -> dict:
+    """From `_timed_requests`: seconds to the first part, the window from the
+    first part's start to the last part's end, the share of that window with
+    no part in flight (the link idle), the parts' rate over the window, and
+    the seconds from the last part's end to the save's end, the completions'
+    seconds."""
+    out = {k: v for k, v in phases.items() if k not in ("parts", "completes")}
+    parts = sorted(phases.get("parts", []))
+    if parts:
+        first, last = parts[0][0], max(end for _, end, _ in parts)
+        idle, reach = 0.0, first
+        for begin, end, _ in parts:
+            idle += max(0.0, begin - reach)
+            reach = max(reach, end)
+        out.update(first_part_at_s=first - start, parts_window_s=last - first, link_idle_share=idle / (last - first),
+                   parts_mb_per_s=sum(n for _, _, n in parts) / (last - first) / 1e6,
+                   after_last_part_s=stop - last,
+                   complete_s=sum(e - b for b, e in phases.get("completes", [])))
+    return out
+
+
 def _throttled_disk(workdir: str, rate: float) -> str:
     """A cgroup v1 `blkio` group whose writes to `workdir`'s disk are capped
     at `rate` bytes/s (its path; the caller removes it)."""
@@ -204,6 +267,30 @@ def _throttled_disk(workdir: str, rate: float) -> str:
     with open(os.path.join(group, "blkio.throttle.write_bps_device"), "w") as f:
         f.write(f"{os.major(device)}:{os.minor(device)} {int(rate)}")
     return group
+
+
+# The kernel's writeback, held off while `--disk-rate` runs: cgroup v1
+# throttles only the writes a process issues itself (its fsync), not the
+# flusher's, which by default writes back whatever passes 10% of RAM or 30 s
+# of age. With these, the local save's bytes stay dirty until its fsync,
+# which writes every one of them at the capped rate.
+_HELD_WRITEBACK = {"dirty_background_ratio": "60", "dirty_ratio": "80", "dirty_expire_centisecs": "360000"}
+
+
+@contextlib.contextmanager
+def _writeback_held():
+    saved = {}
+    try:
+        for name, value in _HELD_WRITEBACK.items():
+            with open(f"/proc/sys/vm/{name}") as f:
+                saved[name] = f.read().strip()
+            with open(f"/proc/sys/vm/{name}", "w") as f:
+                f.write(value)
+        yield
+    finally:
+        for name, value in saved.items():
+            with open(f"/proc/sys/vm/{name}", "w") as f:
+                f.write(value)
 
 
 def _median(values: list[float]) -> float:
@@ -252,7 +339,9 @@ def main() -> None:
         extra = ["--cgroup", group]
     cases = [c for c in args.cases.split(",") if c]
     results: dict[str, list[dict]] = {c: [] for c in cases}
+    held = _writeback_held() if args.disk_rate else contextlib.nullcontext()
     try:
+        held.__enter__()
         run = 0
         for repeat in range(args.repeats):
             for case in cases:
@@ -276,6 +365,7 @@ def main() -> None:
                 results[f"{case}_mem"] = [run_capped(command, 0)]
                 _empty_bucket(upstream)
     finally:
+        held.__exit__(None, None, None)
         if proxy is not None:
             proxy.terminate()
             proxy.wait(30)

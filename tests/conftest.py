@@ -13,9 +13,21 @@ import re
 # 16.0 s against 29.6 s. Every comparison is ours against stock (or
 # Transformers) in the same process, under the same flags; the benchmarks
 # and the validation report run with XLA's defaults. Subprocesses inherit the
-# flag (tests/multiprocess_jobs.child_env); a level in XLA_FLAGS wins.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+# flags (tests/multiprocess_jobs.child_env); a value in XLA_FLAGS wins.
+# Two more of XLA's CPU compiler choices cost the suite more than they save
+# (tests/plan/test_auto_layout.py and tests/init/test_factories.py with an
+# empty compilation cache: XLA's compile time 39 s -> 13 s, the files 47 s ->
+# 31 s): its newer fusion emitters (the older loop emitters compile a tiny
+# fusion faster) and splitting each program's codegen over threads (two
+# workers already use both cores).
+_FAST_COMPILE = {
+    "--xla_backend_optimization_level": "0",
+    "--xla_cpu_use_fusion_emitters": "false",
+    "--xla_cpu_parallel_codegen_split_count": "1",
+}
+for _flag, _value in _FAST_COMPILE.items():
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -27,16 +39,19 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.compile_cache import write_entries_atomically  # noqa: E402
+
 # XLA's compiled programs, kept on disk and shared by the xdist workers and by
 # the next run: about half of the suite's time is compiling, and the same
 # programs recur (stock's eager ops, the samplers, the forward passes of the
 # same tiny configs in many files). An entry is the executable XLA compiled
 # for exactly that program and those options (JAX's own key), so results are
-# the same bits. A size limit turns on JAX's file lock, so one worker never
-# reads an entry the other is writing. JAX_COMPILATION_CACHE_DIR overrides
-# the place, JAX_ENABLE_COMPILATION_CACHE=false turns it off. Set in the
-# environment, so the subprocesses of the multi-process and CLI tests (which
-# compile the same programs in every job) share it too.
+# the same bits. No size limit: with one, JAX locks and scans the whole
+# directory on every write (tests/compile_cache.py, which makes each write
+# atomic instead). JAX_COMPILATION_CACHE_DIR overrides the place,
+# JAX_ENABLE_COMPILATION_CACHE=false turns it off. Set in the environment, so
+# the subprocesses of the multi-process and CLI tests (which compile the same
+# programs in every job) share it too.
 COMPILATION_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax-tests"
 )
@@ -44,13 +59,14 @@ for _name, _value in {
     "JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE,
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
+    "JAX_COMPILATION_CACHE_MAX_SIZE": "-1",
 }.items():
     os.environ.setdefault(_name, _value)
 jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-jax.config.update("jax_compilation_cache_max_size", 4 << 30)
+jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+write_entries_atomically()
 
 MESH_SHAPES = [(1, 8), (2, 4), (8, 1)]
 # The expert banks of the MoE families (Mixtral / Qwen3-MoE / Qwen 3.5 MoE,

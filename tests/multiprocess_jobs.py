@@ -47,6 +47,10 @@ def join_job(process_id, num_processes, port, local_devices):
     simulate_cpu_devices(local_devices)
     import jax
 
+    from tests.compile_cache import write_entries_atomically
+
+    write_entries_atomically()
+
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
