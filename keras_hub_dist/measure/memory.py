@@ -28,6 +28,7 @@ print(sampler.peak_per_device[0] >= 4 * 2**20)  # True
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import weakref
@@ -252,8 +253,13 @@ class _Window:
 class MemorySampler:
     """Samples per-device memory on a background thread while a block runs.
 
-    On entering, the host peak RSS is reset and sampling starts every
-    `interval_s`; on exit a last sample is taken. Sampling cannot see an
+    On entering, Python's unreachable objects are collected first, then the
+    host peak RSS is reset and sampling starts every `interval_s`; on exit a
+    last sample is taken. (Garbage left by earlier work can hold arrays: were
+    it counted in the start figure and collected inside the block, the
+    block's final figure, taken against that start, would shrink by its
+    bytes and its peak over final grow; a collection right after a load
+    turned a 1.00x LoRA load into 2.07x.) Sampling cannot see an
     allocation that lives shorter than the interval, so call `sample()` at
     the points you know matter (or block on the work before leaving the
     block), and keep the interval short.
@@ -484,6 +490,7 @@ class MemorySampler:
         if self._running:
             raise RuntimeError("Expected a MemorySampler to be entered once at a time.")
         self._running = True
+        gc.collect()
         self.host_peak_reset = reset_host_peak_rss()
         self._t0 = time.perf_counter()
         self.host_start_rss = current_rss_bytes()

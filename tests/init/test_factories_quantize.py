@@ -5,6 +5,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+from conftest import quantize_collecting_once
 
 import keras_hub_dist
 from keras_hub_dist import QuantizationError
@@ -19,7 +20,7 @@ def stock():
     for mode in ("int8", "int4"):
         keras.utils.set_random_seed(3)
         backbone = keras_hub.models.LlamaBackbone(**SMALL, dtype="bfloat16")
-        backbone.quantize(mode)
+        quantize_collecting_once(backbone, mode)
         out[mode] = [(v.path, np.asarray(v.value).tobytes()) for v in backbone.weights]
     return out
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import keras_hub_dist
+from conftest import quantize_collecting_once
 from keras_hub_dist.formats.keras_h5 import build_index
 from tests.multiprocess_jobs import block_byte_ranges, merge_ranges, run_job
 
@@ -47,7 +48,7 @@ def stock_int8(tiny_preset):
     """Stock, one process: from_preset, then quantize("int8")."""
     keras.distribution.set_distribution(None)
     backbone = keras_hub.models.Backbone.from_preset(tiny_preset)
-    backbone.quantize("int8")
+    quantize_collecting_once(backbone, "int8")
     return {v.path: np.asarray(v.value) for v in backbone.weights}
 
 

@@ -18,7 +18,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-from conftest import MESH_SHAPES, assert_laid_out_as
+from conftest import MESH_SHAPES, assert_laid_out_as, quantize_collecting_once
 
 import keras_hub_dist
 from keras_hub_dist import LayoutError, QuantizationError, load_sharded_preset
@@ -67,7 +67,7 @@ def _reference(root: str, family: str, file_dtype: str, mode: str) -> dict[str, 
     stock = keras_hub.models.Backbone.from_preset(
         _checkpoints(root, family, file_dtype)["huggingface"], dtype=MODEL_DTYPE[file_dtype]
     )
-    stock.quantize(mode)
+    quantize_collecting_once(stock, mode)
     return {
         "weights": [(_path(v), str(v.dtype), tuple(v.shape), _bits(v.value)) for v in stock.weights],
         "policies": _quantized_policies(stock),
@@ -138,7 +138,7 @@ def _stock_lm(root: str, mode: str):
     keras.distribution.set_distribution(None)
     lm = keras_hub.models.CausalLM.from_preset(_lm_preset(root))
     # `lm.quantize` fails on the (unbuilt) tokenizer: quantize the backbone.
-    lm.backbone.quantize(mode)
+    quantize_collecting_once(lm.backbone, mode)
     return lm
 
 
@@ -210,7 +210,7 @@ def test_quantize_after_a_float_load_is_sharded_and_equals_stock(mode, root):
     # kernels' paths, so a path-keyed layout map gives them the wrong rank.
     stock = _stock_lm(root, mode)
     model = load_sharded_preset(_lm_preset(root), mesh=(2, 4), progress=False)
-    model.quantize(mode)
+    quantize_collecting_once(model, mode)
     assert [(v.path, _bits(v.value)) for v in model.weights] == [
         (v.path, _bits(v.value)) for v in stock.backbone.weights
     ]

@@ -150,6 +150,30 @@ def test_sampler_known_pattern_peaks(mesh_shape):
     del sharded
 
 
+def test_garbage_from_before_the_block_is_not_the_blocks_memory():
+    """Arrays held only by a reference cycle left before the block are
+    collected on entering: collected inside the block instead (an automatic
+    collection right after a load), they would have been counted in the
+    start figure and taken off the final one."""
+    gc.disable()
+    try:
+        cycle = [_full_on_device0()]  # 4 MiB that only a cycle keeps
+        cycle.append(cycle)
+        del cycle
+        base = _baseline()  # the cycle's 4 MiB still counted here
+        with memory.MemorySampler(interval_s=0.001, watch_compiles=False) as sampler:
+            x = _full_on_device0(512, 512)  # the block's own 1 MiB
+            sampler.sample()
+            gc.collect()
+    finally:
+        gc.enable()
+    start = _delta(sampler.start_per_device, base)
+    assert start[0] == -4 * MIB  # the garbage went before the start figure
+    assert sampler.peak_per_device[0] - sampler.start_per_device[0] == MIB
+    assert sampler.final_per_device[0] - sampler.start_per_device[0] == MIB
+    del x
+
+
 def test_sampler_background_thread_catches_unsampled_spike():
     base = _baseline()
     with memory.MemorySampler(interval_s=0.001, watch_compiles=False) as sampler:

@@ -13,7 +13,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-from conftest import MESH_SHAPES, failing_on_call
+from conftest import MESH_SHAPES, failing_on_call, quantize_collecting_once
 from safetensors.numpy import load_file
 
 from keras_hub_dist import PresetError, SaveError, load_sharded_preset, save_sharded_preset
@@ -263,7 +263,7 @@ def test_bad_inputs(root, tmp_path, monkeypatch):
         save_sharded_preset(qwen3, str(tmp_path / "c"), format="onnx")
     keras.distribution.set_distribution(None)
     quantized = keras_hub.models.Llama3Backbone(num_query_heads=4, num_key_value_heads=2, **GEMMA)
-    quantized.quantize("int8")
+    quantize_collecting_once(quantized, "int8")
     with pytest.raises(SaveError, match="Expected an unquantized model.*quantized layer"):
         save_sharded_preset(quantized, str(tmp_path / "d"), format="huggingface")
     # An untied head where the family ties (Gemma's converter never reads one).
