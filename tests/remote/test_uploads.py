@@ -377,3 +377,23 @@ def test_each_client_binds_its_source_address_and_each_address_gets_its_own_link
 
 def test_min_part_and_max_parts_are_s3s():
     assert MIN_PART == 5 * MIB and ObjectWriter.MAX_PARTS == 10_000
+
+
+def test_s3_writers_share_the_parsed_service_models_not_the_credentials(monkeypatch):
+    """Each S3 writer reads the credentials afresh (a job may rotate them),
+    while the parsed service models are parsed once per process."""
+    from keras_hub_dist.storage.s3_writer import S3Writer
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # never contacted
+    writers = []
+    for key in ("AKIAFIRST", "AKIASECOND"):
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+        writers.append(S3Writer("s3://bucket/prefix"))
+    try:
+        assert [w._credentials.access_key for w in writers] == ["AKIAFIRST", "AKIASECOND"]
+        loaders = [w.s3._loader for w in writers]
+        assert loaders[0] is loaders[1]
+    finally:
+        for writer in writers:
+            writer.close()
