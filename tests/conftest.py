@@ -85,6 +85,8 @@ def quantize_collecting_once(model, mode):
     finally:
         gc.collect = collect
     gc.collect()
+
+
 # The expert banks of the MoE families (Mixtral / Qwen3-MoE / Qwen 3.5 MoE,
 # gpt-oss, Gemma 4 MoE): never to be replicated whole.
 EXPERT_BANK = re.compile(
