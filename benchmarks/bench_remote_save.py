@@ -339,33 +339,31 @@ def main() -> None:
         extra = ["--cgroup", group]
     cases = [c for c in args.cases.split(",") if c]
     results: dict[str, list[dict]] = {c: [] for c in cases}
-    held = _writeback_held() if args.disk_rate else contextlib.nullcontext()
     try:
-        held.__enter__()
-        run = 0
-        for repeat in range(args.repeats):
-            for case in cases:
-                run += 1
-                command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
-                           "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run),
-                           "--format", args.format, *extra]
-                result = run_capped(command, 0)
-                _empty_bucket(upstream)  # moto keeps objects in memory
-                results[case].append(result)
-                print(case, repeat, json.dumps({k: v for k, v in result.items() if k != "stderr_tail"}),
-                      flush=True)
-                if result.get("failed"):
-                    print(result.get("stderr_tail"), file=sys.stderr)
-        if args.memory:
-            for case in [c for c in ("ours", "local_upload") if c in cases]:
-                run += 1
-                command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
-                           "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run), "--memory",
-                           "--format", args.format, *extra]
-                results[f"{case}_mem"] = [run_capped(command, 0)]
-                _empty_bucket(upstream)
+        with _writeback_held() if args.disk_rate else contextlib.nullcontext():
+            run = 0
+            for repeat in range(args.repeats):
+                for case in cases:
+                    run += 1
+                    command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
+                               "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run),
+                               "--format", args.format, *extra]
+                    result = run_capped(command, 0)
+                    _empty_bucket(upstream)  # moto keeps objects in memory
+                    results[case].append(result)
+                    print(case, repeat, json.dumps({k: v for k, v in result.items() if k != "stderr_tail"}),
+                          flush=True)
+                    if result.get("failed"):
+                        print(result.get("stderr_tail"), file=sys.stderr)
+            if args.memory:
+                for case in [c for c in ("ours", "local_upload") if c in cases]:
+                    run += 1
+                    command = [sys.executable, os.path.abspath(__file__), "--case", case, "--preset", preset,
+                               "--endpoint", endpoint, "--workdir", args.workdir, "--run", str(run), "--memory",
+                               "--format", args.format, *extra]
+                    results[f"{case}_mem"] = [run_capped(command, 0)]
+                    _empty_bucket(upstream)
     finally:
-        held.__exit__(None, None, None)
         if proxy is not None:
             proxy.terminate()
             proxy.wait(30)

@@ -33,7 +33,10 @@ def child_env(**extra):
 
 def simulate_cpu_devices(local_devices):
     """In a worker, before anything imports JAX: `local_devices` simulated
-    CPU devices and the JAX backend of Keras, and TensorFlow hidden.
+    CPU devices and the JAX backend of Keras, TensorFlow hidden, and JAX
+    imported with the suite's compilation cache writing each entry
+    atomically (tests/compile_cache.py: a worker killed mid-write, as
+    tests/save/killed_save_worker.py is, leaves no half entry behind).
 
     `import keras_hub` imports TensorFlow and tensorflow_text when they are
     installed (for its tf.data preprocessing): 3.2 of the 6.2 CPU-seconds a
@@ -46,6 +49,10 @@ def simulate_cpu_devices(local_devices):
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.modules.setdefault("tensorflow", None)  # `import tensorflow` raises ImportError
 
+    from tests.compile_cache import write_entries_atomically
+
+    write_entries_atomically()
+
 
 def join_job(process_id, num_processes, port, local_devices):
     """In a worker, before anything imports JAX: simulate `local_devices` CPU
@@ -53,10 +60,6 @@ def join_job(process_id, num_processes, port, local_devices):
     when the platform cannot run a multi-process JAX job."""
     simulate_cpu_devices(local_devices)
     import jax
-
-    from tests.compile_cache import write_entries_atomically
-
-    write_entries_atomically()
 
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
