@@ -79,8 +79,8 @@ def _botocore_session() -> Any:
     (credentials and configuration read afresh), sharing one data loader
     per process: the loader keeps the parsed service models, which every
     fresh session otherwise parses again (S3's and the endpoints' JSON:
-    0.076 -> 0.014 CPU-s per client; 21 s of the test suite's py-spy
-    samples were this parsing)."""
+    0.07-0.09 -> 0.015 CPU-s per client, `benchmarks/bench_s3_client.py`;
+    21 s of the test suite's py-spy samples were this parsing)."""
     import botocore.session
 
     global _data_loader
