@@ -49,6 +49,7 @@ from keras_hub_dist.errors import LayoutError  # noqa: E402
 from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
 from keras_hub_dist.errors import UnconvertedWeightsWarning  # noqa: E402
 from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
+from keras_hub_dist.errors import PlanError  # noqa: E402
 from keras_hub_dist.errors import PresetError  # noqa: E402
 from keras_hub_dist.errors import QuantizationError  # noqa: E402
 from keras_hub_dist.errors import SaveError  # noqa: E402
@@ -77,6 +78,8 @@ from keras_hub_dist.adapters import enable_lora  # noqa: E402
 from keras_hub_dist.measure.memory import MemorySampler  # noqa: E402
 from keras_hub_dist.plan.auto_layout import LayoutPlan  # noqa: E402
 from keras_hub_dist.plan.auto_layout import plan_layout  # noqa: E402
+from keras_hub_dist.jobs.memory_plan import MemoryPlan  # noqa: E402
+from keras_hub_dist.jobs.memory_plan import plan_memory  # noqa: E402
 from keras_hub_dist.formats.synthetic import write_synthetic_preset  # noqa: E402
 from keras_hub_dist.formats.synthetic_hf import write_synthetic_hf_checkpoint  # noqa: E402
 
@@ -100,8 +103,10 @@ __all__ = [
     "UnconvertedWeightsWarning",
     "LayoutPlan",
     "LoadReport",
+    "MemoryPlan",
     "MemorySampler",
     "MissingLayoutWarning",
+    "PlanError",
     "PresetError",
     "QuantizationAwareModelParallel",
     "QuantizationError",
@@ -124,6 +129,7 @@ __all__ = [
     "mistral_backbone",
     "mixtral_backbone",
     "plan_layout",
+    "plan_memory",
     "presets",
     "qwen3_5_backbone",
     "qwen3_5_moe_backbone",

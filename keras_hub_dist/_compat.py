@@ -418,6 +418,22 @@ def pending_layout(variable: Any) -> Any:
     return layout
 
 
+def initialize_layout(variable: Any) -> None:
+    """Gives a variable created without a value the layout Keras gives it
+    when it initializes it (its own, else the active distribution's), now:
+    Keras's optimizer copies a model variable's `_layout` into its moments,
+    so a plan that builds an optimizer on value-less variables needs it set
+    (`Variable._initialize_layout`, private in Keras 3.15)."""
+    variable._initialize_layout()
+
+
+def symbolic_build(model: Any, data_batch: Any) -> None:
+    """Builds a compiled model's optimizer, loss and metric state from one
+    batch's shapes, as `fit` does before its first step
+    (`Trainer._symbolic_build`, private in Keras 3.15)."""
+    model._symbolic_build(data_batch=data_batch)
+
+
 def materialize_deferred_variable(variable: Any, value: Any, layout: Any) -> None:
     """Gives a deferred variable its first value, already in `layout`.
 

@@ -114,3 +114,13 @@ class CheckpointError(ValueError):
 
 
 __all__.append("CheckpointError")
+
+
+class PlanError(ValueError):
+    """A job cannot be planned as asked (`plan_memory`): an unknown job,
+    optimizer or remat mode, a batch the mesh's data axis does not divide,
+    a LoRA rank below 1, or a mesh larger than the devices the plan can
+    compile for. Raised before anything is built or compiled."""
+
+
+__all__.append("PlanError")

@@ -37,14 +37,18 @@ RANKS = {
     "init": 7,
     "load": 7,
     "save": 7,
-    "validate": 8,
     "adapters": 8,
+    # The job around the checkpoint (fit / generate planned per device): it
+    # builds tasks as the loader does and LoRA as `adapters` does.
+    "jobs": 9,
+    # The command line and the validation report, which plan jobs too.
+    "validate": 10,
     # Public names re-exported from their homes, then the package itself.
-    "initializers": 9,
-    "memory": 9,
-    "presets": 9,
-    "registry": 9,
-    "": 10,
+    "initializers": 11,
+    "memory": 11,
+    "presets": 11,
+    "registry": 11,
+    "": 12,
 }
 
 

@@ -48,7 +48,7 @@ from keras_hub_dist.formats.transforms import Transpose, reshape
 from keras_hub_dist.plan import lora_layers
 from keras_hub_dist.save.lora_map import LoraModule, lora_modules
 
-__all__ = ["ALL_PROJECTIONS", "enable_lora", "read_adapter"]
+__all__ = ["ALL_PROJECTIONS", "enable_lora", "enable_lora_without_values", "read_adapter"]
 
 # The common PEFT choice: every linear projection of a decoder block.
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -93,16 +93,38 @@ def enable_lora(
     ```
     """
     backbone = getattr(model, "backbone", model)
-    modules = lora_modules(backbone)
-    _check_targets(tuple(target_modules), modules, ValueError)
-    chosen = [(layer, m) for layer, m in modules if m.target in set(target_modules)]
-    _freeze_except(backbone, [layer for layer, _ in chosen])
+    chosen = _chosen_layers(backbone, target_modules)
+    _freeze_except(backbone, chosen)
     seed = int(_processes.broadcast_string(str(random.getrandbits(31))))
-    for i, (layer, _) in enumerate(chosen):
+    for i, layer in enumerate(chosen):
         # Keras's "he_uniform", with a seed every process agrees on.
         he_uniform = keras.initializers.VarianceScaling(2.0, "fan_in", "uniform", seed=seed + i)
         lora_layers.enable_lora(layer, rank, lora_alpha, a_initializer=he_uniform)
-    return [layer.path for layer, _ in chosen]
+    return [layer.path for layer in chosen]
+
+
+def enable_lora_without_values(
+    model: Any, rank: int, lora_alpha: float | None = None, target_modules: Sequence[str] = ALL_PROJECTIONS
+) -> list[Any]:
+    """`enable_lora` on a model built without values (a plan): the same
+    layers adapted and frozen, the factors created without values.
+
+    Returns:
+        The factor variables created, still without values.
+    """
+    backbone = getattr(model, "backbone", model)
+    chosen = _chosen_layers(backbone, target_modules)
+    _freeze_except(backbone, chosen)
+    with _compat.creating_variables_without_values() as created:
+        for layer in chosen:
+            lora_layers.enable_lora(layer, rank, lora_alpha)
+    return created
+
+
+def _chosen_layers(backbone: Any, target_modules: Sequence[str]) -> list[Any]:
+    modules = lora_modules(backbone)
+    _check_targets(tuple(target_modules), modules, ValueError)
+    return [layer for layer, m in modules if m.target in set(target_modules)]
 
 
 def _freeze_except(backbone: Any, layers: list[Any]) -> None:

@@ -8,6 +8,7 @@ keras-hub-dist validate --preset /path/to/Qwen3-8B --phases load   # an HF check
 keras-hub-dist validate --preset llama3_8b_en --checkpoint_format huggingface
 keras-hub-dist convert ./Qwen3-8B ./qwen3_8b_keras --to keras
 keras-hub-dist convert ./gemma_7b_tuned ./gemma_7b_hf --to huggingface --dtype bfloat16
+keras-hub-dist plan gemma_7b_en --mesh 1x8 --job fit --lora 8 --batch 8 --seq 2048 --hbm_gb 16
 ```
 
 `validate` measures, per device, the peak and final memory of building
@@ -15,6 +16,9 @@ keras-hub-dist convert ./gemma_7b_tuned ./gemma_7b_hf --to huggingface --dtype b
 KerasHub under the same `ModelParallel`, each case in a fresh process; see
 `keras_hub_dist.validate.runner` for the phases and
 `keras_hub_dist.validate.schema` for the JSON report and the exit codes.
+
+`plan` prints a job's per-device memory from XLA's analysis of the
+program it runs, compiled on abstract values (`keras_hub_dist.validate.plan_cli`).
 
 `convert` converts a checkpoint between the KerasHub and Hugging Face formats
 file to file, never holding the model's values
@@ -28,6 +32,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from keras_hub_dist.validate.plan_cli import add_plan_flags, run_plan
 from keras_hub_dist.validate.options import CHECKPOINT_FORMATS, QUANTIZE_MODES, ValidateOptions
 from keras_hub_dist.validate.plot import plot_report, require_matplotlib
 from keras_hub_dist.validate.report import format_report, over_budget_lines, write_json
@@ -171,6 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_convert_flags(convert)
+    plan = commands.add_parser(
+        "plan",
+        help="Per-device memory of a fit / generate / load, from XLA, before any weight exists.",
+        description=(
+            "Compile the program a job runs (Keras's train step, KerasHub's generate) for the "
+            "mesh on abstract values and print XLA's per-device memory analysis: weights, "
+            "optimizer state, LoRA factors, KV cache, temporaries, the verdict against "
+            "--hbm_gb and, when it does not fit, the alternatives that do."
+        ),
+    )
+    add_plan_flags(plan)
     return parser
 
 
@@ -283,9 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `keras-hub-dist` console command."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "convert":
+    if args.command in ("convert", "plan"):
         try:
-            return run_convert(args)
+            return run_convert(args) if args.command == "convert" else run_plan(args)
         except KeyboardInterrupt:
             return 130
     try:

@@ -1,0 +1,174 @@
+"""The programs a job runs, lowered on abstract values, and what XLA says of them.
+
+`lower_fit` lowers Keras's own JAX train step (`model.train_step`, jitted
+exactly as `Trainer.make_train_function` jits it: the state donated, its
+output shardings those of the variables) on `jax.ShapeDtypeStruct`s of the
+job's variables, optimizer and metric state, and of one batch laid out as
+Keras's `ModelParallel` lays out a batch (`distribution.get_data_layout`).
+The optimizer and metric variables are built the way `fit` builds them
+(`Trainer._symbolic_build`), without values: their layouts are those a
+real `fit` gives them, and nothing is allocated. `program_memory` reads
+XLA's memory analysis of the compiled program: the bytes of one device's
+arguments, outputs, aliases and temporaries.
+
+Tested equal, field by field, to the analysis of the program a real `fit`
+compiles (tests/jobs/test_memory_plan.py).
+
+Example:
+
+```python
+from keras_hub_dist.jobs import programs
+from keras_hub_dist.jobs.abstract_job import abstract_job
+
+job = abstract_job("gemma_7b_en", (1, 8), dtype="bfloat16", overrides={"num_layers": 1})
+lowered = programs.lower_fit(job, batch_size=8, sequence_length=512, optimizer="adam")
+programs.program_memory(lowered.compile())  # {'argument_bytes': ..., 'temp_bytes': ...}
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import keras
+
+from keras_hub_dist import _compat
+from keras_hub_dist.jobs.abstract_job import AbstractJob, sharding_of
+from keras_hub_dist.load import generate as load_generate
+from keras_hub_dist.measure.memory import compiled_memory
+from keras_hub_dist.plan.sizes import itemsize
+
+__all__ = [
+    "fit_batch",
+    "kv_cache_bytes",
+    "lower_fit",
+    "lower_generate",
+    "optimizer_for",
+    "program_memory",
+    "variable_specs",
+]
+
+
+def optimizer_for(optimizer: Any) -> keras.optimizers.Optimizer:
+    """A fresh Keras optimizer from a name (`"adam"`, `"adamw"`, ...) or an
+    instance's config: a plan never builds (or changes) the caller's own.
+
+    Raises:
+        ValueError: A name Keras does not know (the message lists some).
+    """
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return type(optimizer).from_config(optimizer.get_config())
+    try:
+        return keras.optimizers.get(optimizer)
+    except ValueError:
+        known = ["adam", "adamw", "adafactor", "lion", "sgd", "rmsprop", "adagrad"]
+        raise ValueError(
+            f"Unknown optimizer. Expected a keras.optimizers.Optimizer or one of "
+            f"Keras's names, e.g. {known}. Received: optimizer={optimizer!r}."
+        ) from None
+
+
+def variable_specs(variables: Sequence[Any], job: AbstractJob) -> list[jax.ShapeDtypeStruct]:
+    """One `jax.ShapeDtypeStruct` per variable, in its (final) sharding."""
+    return [
+        jax.ShapeDtypeStruct(
+            tuple(int(d) for d in v.shape), v.dtype, sharding=sharding_of(v, job.distribution)
+        )
+        for v in variables
+    ]
+
+
+def fit_batch(job: AbstractJob, batch_size: int, sequence_length: int) -> tuple:
+    """`(x, y, sample_weight)` of one batch, as a causal LM's preprocessor
+    gives it and Keras's `ModelParallel` lays it out (batch on the data axis)."""
+
+    def spec(dtype: str) -> jax.ShapeDtypeStruct:
+        shape = (batch_size, sequence_length)
+        layout = job.distribution.get_data_layout(shape)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=layout.backend_layout)
+
+    x = {"token_ids": spec("int32"), "padding_mask": spec("bool")}
+    return x, spec("int32"), spec("bool")
+
+
+def lower_fit(job: AbstractJob, batch_size: int, sequence_length: int, optimizer: Any) -> jax.stages.Lowered:
+    """Keras's JAX train step for one batch, lowered on abstract values.
+
+    Compiles the task (KerasHub's default loss and weighted metrics) with
+    `optimizer`, builds the optimizer's moments and the metric variables
+    without values,
+    and lowers `jax.jit(task.train_step, donate_argnums=0, out_shardings=
+    (None, state shardings))`, as Keras's `make_train_function` does.
+    """
+    task = job.task
+    data = fit_batch(job, batch_size, sequence_length)
+    with job.scope():
+        # Keras creates the optimizer's and the metrics' scalars (step count,
+        # learning rate, loss tracker) when they are constructed, outside any
+        # stateless scope: a few bytes, allocated as `compile` allocates them.
+        task.compile(optimizer=optimizer_for(optimizer))
+        with _compat.creating_variables_without_values() as created:
+            _compat.symbolic_build(task, data)
+        job.lay_out(created)
+        state = (
+            variable_specs(task.trainable_variables, job),
+            variable_specs(task.non_trainable_variables, job),
+            variable_specs(task.optimizer.variables, job),
+            variable_specs(task.metrics_variables, job),
+        )
+        shardings = jax.tree.map(lambda s: s.sharding, state)
+        step = jax.jit(task.train_step, donate_argnums=0, out_shardings=(None, shardings))
+        return step.lower(state, data)
+
+
+def program_memory(compiled: Any) -> dict[str, int]:
+    """XLA's per-device figures of one compiled program (bytes):
+    `argument_bytes`, `output_bytes`, `alias_bytes`, `temp_bytes`, and
+    `total_bytes` = arguments + outputs + temporaries - aliases (an output
+    written into a donated argument's buffer is not counted twice)."""
+    memory = compiled_memory(compiled)
+    memory["total_bytes"] = (
+        memory.get("argument_bytes", 0)
+        + memory.get("output_bytes", 0)
+        + memory.get("temp_bytes", 0)
+        - memory.get("alias_bytes", 0)
+    )
+    return memory
+
+
+def lower_generate(
+    job: AbstractJob, batch_size: int, max_length: int, *, prompt_chunk: int | None, shard_batch: bool
+) -> tuple[jax.stages.Lowered, int | None]:
+    """KerasHub's generate program for one batch, lowered on abstract values,
+    and the KV cache's bytes per device where this package lays it out.
+
+    The task generates as `load_sharded_preset(..., task="causal_lm")`
+    returns it (`shard_generate(prompt_chunk=..., shard_batch=...)`; `None`
+    and `False`: stock), with KerasHub's default sampler; `lower_generate`
+    of `load.generate` lowers the very jitted function `generate` calls.
+    """
+    task = job.task
+    with job.scope():
+        load_generate.shard_generate(task, prompt_chunk=prompt_chunk, shard_batch=shard_batch)
+        lowered = load_generate.lower_generate(task, batch_size, max_length)
+    return lowered, kv_cache_bytes(job, batch_size, max_length) if shard_batch else None
+
+
+def kv_cache_bytes(job: AbstractJob, batch_size: int, max_length: int) -> int | None:
+    """Per-device bytes of the stacked KV cache `[B, layers, 2, S, kv_heads,
+    head_dim]` the supported causal LMs build, split as `shard_generate`
+    constrains it: the batch over the data axis and the KV heads over the
+    model axis, each where it divides (`None` for another cache)."""
+    task = job.task
+    if not load_generate.supports_chunked_prompt(task):
+        return None
+    backbone = task.backbone
+    heads = backbone.num_key_value_heads
+    head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // backbone.num_query_heads
+    data, model = (job.mesh_axis_sizes[axis] for axis in job.mesh_axis_sizes)
+    rows = batch_size // data if batch_size % data == 0 else batch_size
+    heads = heads // model if heads % model == 0 else heads
+    elements = rows * backbone.num_layers * 2 * max_length * heads * head_dim
+    return elements * itemsize(keras.backend.standardize_dtype(task.compute_dtype))

@@ -1,0 +1,184 @@
+"""`plan_memory`: XLA's analysis of the very programs a job runs, from no weights."""
+
+import gc
+import json
+
+import jax
+import keras
+import keras_hub
+import numpy as np
+import pytest
+from conftest import MESH_SHAPES
+
+import keras_hub_dist
+from keras_hub_dist import PlanError, UnknownPresetError
+from keras_hub_dist.jobs.memory_plan import plan_memory
+from keras_hub_dist.measure import memory, program_watch
+from keras_hub_dist.validate.cli import main as cli_main
+
+TINY = dict(
+    vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8,
+    hidden_dim=64, intermediate_dim=128, head_dim=8,
+)
+PLAN = dict(batch_size=8, sequence_length=16, dtype="float32")
+FIELDS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")
+
+
+@pytest.fixture(scope="module")
+def gemma_preset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "gemma"
+    return keras_hub_dist.write_synthetic_preset(
+        str(path), keras_hub.models.GemmaBackbone, dtype="float32", tokenizer=True, **TINY
+    )
+
+
+def _real_program_memory(run, program):
+    """XLA's figures of the one program named `program` that `run()`
+    compiles, captured at its compilation."""
+    seen = []
+    with program_watch.watch_compilations(lambda executable, name: seen.append((name, executable))):
+        run()
+    figures = [memory.compiled_memory(e) for name, e in seen if program in name]
+    assert len(figures) == 1, [name for name, _ in seen]
+    return figures[0]
+
+
+@pytest.mark.parametrize("mesh", MESH_SHAPES)
+def test_fit_plan_equals_the_real_train_step(gemma_preset, mesh):
+    plan = plan_memory(gemma_preset, mesh, job="fit", optimizer="adam", **PLAN)
+    lm = keras_hub_dist.load_sharded_preset(gemma_preset, mesh=mesh, task="causal_lm")
+    lm.preprocessor = None
+    lm.compile(optimizer=keras.optimizers.Adam(1e-3))
+    tokens = np.ones((8, 16), "int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones((8, 16), bool)}
+    real = _real_program_memory(
+        lambda: lm.fit(x, tokens, sample_weight=np.ones((8, 16), bool), batch_size=8, verbose=0), "train_step"
+    )
+    for field in FIELDS:
+        assert getattr(plan, field) == real[field], field
+    assert plan.total_bytes == real["argument_bytes"] + real["output_bytes"] + real["temp_bytes"] - real["alias_bytes"]
+    # The breakdown from the shardings: weights and Adam's two moments, each
+    # split over the 8 devices (an odd replicated norm scale aside).
+    weights = sum(v.value.addressable_shards[0].data.nbytes for v in lm.weights)
+    assert plan.weights_bytes == weights
+    moments = sum(v.value.addressable_shards[0].data.nbytes for v in lm.optimizer.variables)
+    assert plan.optimizer_bytes == moments
+    assert plan.compiler.startswith("cpu")
+
+
+@pytest.mark.parametrize("mesh", MESH_SHAPES)
+@pytest.mark.parametrize("stock", [False, True], ids=["ours", "stock"])
+def test_generate_plan_equals_the_real_generate(gemma_preset, mesh, stock):
+    plan = plan_memory(gemma_preset, mesh, job="generate", stock=stock, prompt_chunk=4, **PLAN)
+    lm = keras_hub_dist.load_sharded_preset(
+        gemma_preset, mesh=mesh, task="causal_lm", prompt_chunk=None if stock else 4
+    )
+    if stock:
+        keras_hub_dist.shard_generate(lm, prompt_chunk=None, shard_batch=False)
+    lm.preprocessor = None
+    tokens = np.ones((8, 16), "int32")
+    mask = np.arange(16)[None, :] < np.array([3, 5, 7, 9, 3, 5, 7, 9])[:, None]
+    real = _real_program_memory(
+        lambda: lm.generate({"token_ids": tokens, "padding_mask": mask}, stop_token_ids=None),
+        "generate",
+    )
+    for field in FIELDS:
+        assert getattr(plan, field) == real[field], field
+    if stock:
+        assert plan.kv_cache_bytes is None
+    else:
+        # [8, 2 layers, 2, 16, 8 KV heads, 8] f32, batch over the data axis,
+        # heads over the model axis.
+        data, model = mesh
+        assert plan.kv_cache_bytes == 8 // data * 2 * 2 * 16 * (8 // model) * 8 * 4
+
+
+def test_lora_plan_trains_only_the_factors(gemma_preset):
+    full = plan_memory(gemma_preset, (1, 8), job="fit", **PLAN)
+    lora = plan_memory(gemma_preset, (1, 8), job="fit", lora_rank=4, **PLAN)
+    assert lora.lora_bytes > 0 and full.lora_bytes == 0
+    assert lora.weights_bytes == full.weights_bytes
+    # Adam's moments of the factors only (and its step count / learning rate).
+    assert lora.optimizer_bytes < 2.1 * lora.lora_bytes + 64
+    assert lora.total_bytes < full.total_bytes
+
+
+@pytest.mark.filterwarnings("ignore::keras_hub_dist.LayoutFallbackWarning")  # gemma_2b_en's 1 KV head
+def test_load_plan_is_the_weights_share():
+    plan = plan_memory("gemma_2b_en", (1, 8), job="load", dtype="bfloat16")
+    expected = keras_hub_dist.abstract_backbone("gemma_2b_en", mesh=(1, 8), dtype="bfloat16")
+    assert plan.weights_bytes == plan.total_bytes == expected.max_device_bytes
+    assert plan.temp_bytes == 0
+
+
+def test_a_plan_of_a_loaded_model_allocates_nothing(gemma_preset):
+    lm = keras_hub_dist.load_sharded_preset(gemma_preset, mesh=(2, 4), task="causal_lm")
+    gc.collect()
+    before = memory.live_bytes_per_device()
+    plan = plan_memory(lm, (2, 4), job="fit", **PLAN)
+    # The plan's own optimizer and metric scalars (step count, learning
+    # rate, loss tracker) are garbage once it returns.
+    gc.collect()
+    assert memory.live_bytes_per_device() == before
+    assert plan.weights_bytes == sum(v.value.addressable_shards[0].data.nbytes for v in lm.weights)
+
+
+def test_a_job_that_does_not_fit_plans_what_would(gemma_preset):
+    tight = plan_memory(gemma_preset, (1, 8), job="fit", **PLAN)
+    budget_gb = (tight.total_bytes - 1) / 2**30
+    plan = plan_memory(gemma_preset, (1, 8), job="fit", hbm_gb=budget_gb, **PLAN)
+    assert plan.fits is False
+    changes = {alt.change: alt for alt in plan.alternatives}
+    assert {"lora_rank=8", "batch_size=4", "mesh 2x4", "mesh 8x1"} <= set(changes)
+    assert changes["lora_rank=8"].fits and changes["batch_size=4"].fits
+    assert "does NOT fit" in plan.summary() and "lora_rank=8" in plan.summary()
+    assert json.loads(json.dumps(plan.to_json()))["alternatives"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        (dict(job="train"), PlanError, "Expected one of ['fit', 'generate', 'load']"),
+        (dict(batch_size=3, mesh=(2, 4)), PlanError, "Expected a batch_size it divides, e.g. [2, 4, 6, 8]"),
+        (dict(lora_rank=0), PlanError, "Received: lora_rank=0"),
+        (dict(optimizer="adamm"), PlanError, "Received: optimizer='adamm'"),
+        (dict(remat="everything"), PlanError, "Received: remat='everything'"),
+        (dict(mesh=(2, 8)), PlanError, "Expected at least 16 devices"),
+        (dict(sequence_length=0), PlanError, "Received: sequence_length=0"),
+    ],
+)
+def test_bad_inputs_fail_before_anything_is_built(kwargs, error, text, monkeypatch):
+    from keras_hub_dist.jobs import abstract_job
+
+    monkeypatch.setattr(abstract_job, "build_abstract", lambda *a: pytest.fail("built"))
+    mesh = kwargs.pop("mesh", (1, 8))
+    with pytest.raises(error) as raised:
+        plan_memory("gemma_2b_en", mesh, **kwargs)
+    assert text in str(raised.value)
+
+
+def test_a_sequence_past_the_checkpoints_positions_is_refused(tmp_path, monkeypatch):
+    from keras_hub_dist.jobs import abstract_job
+
+    path = str(tmp_path / "llama_hf")
+    keras_hub_dist.write_synthetic_hf_checkpoint(path, keras_hub.models.LlamaBackbone, dict(TINY, head_dim=None))
+    monkeypatch.setattr(abstract_job, "build_abstract", lambda *a: pytest.fail("built"))
+    with pytest.raises(PlanError, match=r"Expected sequence_length <= 8192. Received: sequence_length=8193"):
+        plan_memory(path, (1, 8), job="generate", sequence_length=8193)
+
+
+def test_unknown_preset():
+    with pytest.raises(UnknownPresetError, match="gemma_7b_en"):
+        plan_memory("gemma_7bb_en", (1, 8), job="load")
+
+
+def test_cli_prints_the_plan_and_its_verdict(gemma_preset, capsys):
+    code = cli_main(["plan", gemma_preset, "--mesh", "2x4", "--job", "load", "--dtype", "float32", "--hbm_gb", "1"])
+    out = capsys.readouterr().out
+    assert code == 0 and "load" in out and "fits in 1 GiB per device" in out
+    code = cli_main(["plan", gemma_preset, "--mesh", "1x8", "--job", "load", "--hbm_gb", "1e-9",
+                     "--no-alternatives", "--json", "-"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["fits"] is False and report["mesh_axis_sizes"] == {"batch": 1, "model": 8}
+    assert cli_main(["plan", gemma_preset, "--mesh", "3x8"]) == 2
+    assert "Expected at least 24 devices" in capsys.readouterr().err
