@@ -44,6 +44,7 @@ from keras_hub_dist.init.factories import qwen3_backbone  # noqa: E402
 from keras_hub_dist.init.factories import qwen3_moe_backbone  # noqa: E402
 from keras_hub_dist.init.factories import qwen_backbone  # noqa: E402
 from keras_hub_dist.errors import CheckpointError  # noqa: E402
+from keras_hub_dist.errors import GenerateFallbackWarning  # noqa: E402
 from keras_hub_dist.errors import KerasHubDistWarning  # noqa: E402
 from keras_hub_dist.errors import LayoutError  # noqa: E402
 from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
@@ -70,6 +71,8 @@ from keras_hub_dist.plan.layouts import get_layout_map  # noqa: E402
 from keras_hub_dist.plan.quantized_layouts import QuantizationAwareModelParallel  # noqa: E402
 from keras_hub_dist.load.loader import LoadReport  # noqa: E402
 from keras_hub_dist.load.loader import load_sharded_preset  # noqa: E402
+from keras_hub_dist.load.generate import lower_generate  # noqa: E402
+from keras_hub_dist.load.generate import shard_generate  # noqa: E402
 from keras_hub_dist.load.restore import restore_checkpoint  # noqa: E402
 from keras_hub_dist.save.api import save_sharded_preset  # noqa: E402
 from keras_hub_dist.validate.convert import convert_checkpoint  # noqa: E402
@@ -97,6 +100,7 @@ __all__ = [
     "DistributedRandomUniform",
     "DistributedTruncatedNormal",
     "DistributedVarianceScaling",
+    "GenerateFallbackWarning",
     "KerasHubDistWarning",
     "LayoutError",
     "LayoutFallbackWarning",
@@ -125,6 +129,7 @@ __all__ = [
     "initializers",
     "llama_backbone",
     "load_sharded_preset",
+    "lower_generate",
     "memory",
     "mistral_backbone",
     "mixtral_backbone",
@@ -140,6 +145,7 @@ __all__ = [
     "restore_checkpoint",
     "save_lora_adapter",
     "save_sharded_preset",
+    "shard_generate",
     "write_synthetic_hf_checkpoint",
     "write_synthetic_preset",
 ]

@@ -64,6 +64,16 @@ class StaleStagingWarning(KerasHubDistWarning):
 __all__.append("StaleStagingWarning")
 
 
+class GenerateFallbackWarning(KerasHubDistWarning):
+    """`shard_generate` left a causal LM's prompt pass as stock KerasHub runs
+    it (all `max_length` positions at once): its cache is not the one
+    stacked cache the chunked pass supports (e.g. Gemma 3's per-layer
+    tuple around images)."""
+
+
+__all__.append("GenerateFallbackWarning")
+
+
 class LayoutError(ValueError):
     """A layout does not fit a variable (axis names, rank or divisibility)."""
 

@@ -68,6 +68,7 @@ from keras_hub_dist.load.execute import ExecuteStats, execute_plan
 from keras_hub_dist.load.report import LoadReport
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.load.source import PresetSource, read_config, read_metadata, resolve_source
+from keras_hub_dist.load.generate import DEFAULT_PROMPT_CHUNK, check_prompt_chunk, shard_generate
 from keras_hub_dist.load.tasks import build_task, task_class
 from keras_hub_dist.measure.memory import MemorySampler
 from keras_hub_dist.plan.build import build_without_values
@@ -104,6 +105,7 @@ def load_sharded_preset(
     quantize: str | None = None,
     lora_adapter: str | os.PathLike | None = None,
     merge: bool = False,
+    prompt_chunk: int | None = DEFAULT_PROMPT_CHUNK,
 ) -> keras.Model | tuple[keras.Model, LoadReport]:
     """Loads a KerasHub preset directly into its final sharding.
 
@@ -192,6 +194,11 @@ def load_sharded_preset(
         merge: With `lora_adapter`, fold the update into the kernels
             instead (`W + scaling * B @ A`, computed per block on the host as
             it is read): a plain model with no LoRA variables, for serving.
+        prompt_chunk: For a causal LM task, `generate`'s prompt pass runs
+            this many positions at a time and its batch is split over
+            `data_axis` (`keras_hub_dist.shard_generate`, see
+            docs/load.md); `None` leaves KerasHub's `generate` as it is.
+            Ignored for a backbone or another task.
 
     Returns:
         The backbone (or task) model, or `(model, LoadReport)` with
@@ -220,7 +227,7 @@ def load_sharded_preset(
         mesh, layout_map, dtype, task, progress, model_axis, data_axis,
         dict(task_kwargs or {}), num_threads, verify, concurrency,
         None if cache_dir is None else os.fspath(cache_dir), quantize,
-        None if lora_adapter is None else os.fspath(lora_adapter), merge,
+        None if lora_adapter is None else os.fspath(lora_adapter), merge, prompt_chunk,
     )
     with sampler, host_io.collector_paused():
         model, plan, stats, index, label = _load(preset, options)
@@ -254,6 +261,12 @@ def load_sharded_preset(
     return model, report
 
 
+def _is_causal_lm(model: Any) -> bool:
+    import keras_hub
+
+    return isinstance(model, keras_hub.models.CausalLM)
+
+
 def _variable_bytes(var: Any) -> int:
     return math.prod(var.shape) * var.target_dtype.itemsize
 
@@ -277,6 +290,7 @@ class _Options:
     quantize: str | None
     lora_adapter: str | None = None
     merge: bool = False
+    prompt_chunk: int | None = DEFAULT_PROMPT_CHUNK
 
 
 # The reader of `lora_adapter=`: `(backbone, index, location, label, merge,
@@ -297,6 +311,7 @@ def _load(
 ) -> tuple[keras.Model, LoadPlan, ExecuteStats, CheckpointIndex, str]:
     # Phase 1: resolve and validate; no device memory is used.
     mode = check_quantize_arguments(options.quantize, options.dtype)
+    check_prompt_chunk(options.prompt_chunk)
     source = resolve_source(preset)
     adapter = None if options.lora_adapter is None else resolve_source(options.lora_adapter)
     if adapter is not None and mode is not None:
@@ -417,6 +432,10 @@ def _load_from(
             model = backbone
             if task_cls is not None:
                 model = build_task(task_cls, location, backbone, options.task_kwargs)
+                if options.prompt_chunk is not None and _is_causal_lm(model):
+                    shard_generate(
+                        model, options.prompt_chunk, data_axis=data_axis, model_axis=model_axis
+                    )
             # A later `model.quantize(...)` finds its variables' layouts.
             distribution.cover(backbone)
     except BaseException:

@@ -1,0 +1,238 @@
+"""`shard_generate` / `lower_generate`: the chunked prompt pass generates
+stock's tokens on every mesh, holds a fraction of stock's temporaries, splits
+the KV cache over the batch axis, and refuses bad arguments clearly."""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import keras
+import keras_hub
+import numpy as np
+import pytest
+from conftest import MESH_SHAPES
+
+import keras_hub_dist
+from keras_hub_dist import GenerateFallbackWarning, load_sharded_preset, lower_generate, shard_generate
+from keras_hub_dist.plan.mesh import device_mesh
+
+VOCAB = 128
+SMALL = dict(
+    vocabulary_size=VOCAB, num_layers=1, num_query_heads=8, num_key_value_heads=8,
+    hidden_dim=64, intermediate_dim=128, dtype="float32",
+)
+FAMILIES = {
+    "gemma": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM, dict(SMALL, head_dim=8)),
+    "llama": (keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM, SMALL),
+}
+# max_length 13 with chunks of 4: three full chunks in the loop and a
+# remainder of one; every prompt (5 to 9 tokens) spans several chunks.
+BATCH, LENGTH, CHUNK = 8, 13, 4
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 10, BATCH)
+    mask = np.arange(LENGTH)[None] < lengths[:, None]
+    tokens = np.where(mask, rng.integers(1, VOCAB, (BATCH, LENGTH)), 0).astype("int32")
+    return {"token_ids": tokens, "padding_mask": mask}
+
+
+def _distribution(backbone_cls, mesh_shape):
+    dm = device_mesh(mesh_shape)
+    return keras.distribution.ModelParallel(
+        layout_map=keras_hub_dist.get_layout_map(backbone_cls, dm), batch_dim_name="batch"
+    )
+
+
+def _prompt_logits(lm, token_ids):
+    # The logits of the prompt pass (from the hidden states `_build_cache`
+    # returns), and its cache.
+    hidden, cache = lm._build_cache(token_ids)
+    return lm.backbone.token_embedding(hidden, reverse=True), cache
+
+
+@pytest.fixture(scope="module")
+def stock_reference():
+    """Stock, unsharded: weights, greedy tokens and prompt-pass logits."""
+    refs = {}
+    inputs = _inputs()
+    keras.distribution.set_distribution(None)
+    for name, (backbone_cls, task_cls, config) in FAMILIES.items():
+        keras.utils.set_random_seed(7)
+        lm = task_cls(backbone=backbone_cls(**config), preprocessor=None)
+        lm.compile(sampler="greedy")
+        tokens = np.asarray(lm.generate(dict(inputs), stop_token_ids=None)["token_ids"])
+        logits = np.asarray(jax.jit(lambda ids: _prompt_logits(lm, ids))(inputs["token_ids"])[0])
+        refs[name] = ([np.asarray(v.numpy()) for v in lm.backbone.weights], tokens, logits)
+    return inputs, refs
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_chunked_generate_equals_stock(family, mesh_shape, stock_reference):
+    inputs, refs = stock_reference
+    weights, ref_tokens, ref_logits = refs[family]
+    backbone_cls, task_cls, config = FAMILIES[family]
+    distribution = _distribution(backbone_cls, mesh_shape)
+    keras.distribution.set_distribution(distribution)
+    with distribution.scope():
+        lm = task_cls(backbone=backbone_cls(**config), preprocessor=None)
+    for variable, value in zip(lm.backbone.weights, weights):
+        variable.assign(value)
+    lm.compile(sampler="greedy")
+    lm.generate_function = object()  # shard_generate resets stock's compiled program
+    assert shard_generate(lm, prompt_chunk=CHUNK) is lm
+    assert lm.generate_function is None and type(lm) is task_cls
+
+    tokens = np.asarray(lm.generate(dict(inputs), stop_token_ids=None)["token_ids"])
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    logits, cache = jax.jit(lambda ids: _prompt_logits(lm, ids))(inputs["token_ids"])
+    np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=1e-4, rtol=0)
+    # The cache of the chunked pass: batch on "batch", KV heads on "model"
+    # (each where the axis is larger than 1).
+    spec = tuple(cache.sharding.spec) + (None,) * 6
+    sizes = dict(zip(("batch", "model"), mesh_shape))
+    assert (spec[0], spec[4]) == tuple(a if sizes[a] > 1 else spec[i] for i, a in ((0, "batch"), (4, "model")))
+    assert cache.addressable_shards[0].data.shape[0] == BATCH // sizes["batch"]
+
+
+def test_prompt_up_to_a_chunk_runs_exactly_stock():
+    backbone_cls, task_cls, config = FAMILIES["gemma"]
+    keras.utils.set_random_seed(1)
+    lm = task_cls(backbone=backbone_cls(**config), preprocessor=None)
+    ids = jax.ShapeDtypeStruct((2, CHUNK), jnp.int32)
+    stock = str(jax.make_jaxpr(lm._build_cache)(ids))
+    shard_generate(lm, prompt_chunk=CHUNK, shard_batch=False)
+    assert str(jax.make_jaxpr(lm._build_cache)(ids)) == stock
+    longer = str(jax.make_jaxpr(lm._build_cache)(jax.ShapeDtypeStruct((2, 3 * CHUNK + 1), jnp.int32)))
+    assert "scan" in longer or "while" in longer  # one loop, not unrolled
+    shard_generate(lm, prompt_chunk=None, shard_batch=False)  # stock again
+    assert not {"_build_cache", "call_with_cache", "generate_step"} & set(lm.__dict__)
+
+
+def _temp_bytes(lm, batch, length):
+    return lower_generate(lm, batch, length).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_prompt_holds_a_fraction_of_stocks_temporaries():
+    # Tiny but long: the f32 scores [B, H/8, S, S] dominate stock's program.
+    # Two layers: the last layer's prompt-pass attention feeds only hidden
+    # states the greedy sampler drops (XLA removes it); the first's feeds
+    # the second layer's cache.
+    config = dict(
+        vocabulary_size=64, num_layers=2, num_query_heads=8, num_key_value_heads=8,
+        hidden_dim=16, intermediate_dim=32, head_dim=2, dtype="float32",
+    )
+    distribution = _distribution(keras_hub.models.GemmaBackbone, (1, 8))
+    keras.distribution.set_distribution(distribution)
+    with distribution.scope():
+        lm = keras_hub.models.GemmaCausalLM(
+            backbone=keras_hub.models.GemmaBackbone(**config), preprocessor=None
+        )
+    lm.compile(sampler="greedy")
+    stock = _temp_bytes(lm, 8, 512)
+    shard_generate(lm, prompt_chunk=32)
+    ours = _temp_bytes(lm, 8, 512)
+    assert ours <= 0.25 * stock, (ours, stock)
+
+
+def _cache_bytes_per_device(compiled, layers, length):
+    # The partitioned program's [B, layers, 2, S, kv_heads, head_dim] buffer.
+    sizes = [
+        int(np.prod([int(d) for d in dims.split(",")]))
+        for dims in re.findall(r"f32\[([0-9,]+)\]", compiled.as_text())
+        if (lambda s: len(s) == 6 and s[1] == layers and s[2] == 2 and s[3] == length)(
+            [int(d) for d in dims.split(",")]
+        )
+    ]
+    return 4 * max(sizes)
+
+
+def test_batch_axis_carries_the_batch_for_an_abstract_model():
+    # An abstract backbone (no variable has a value): lowered and compiled
+    # from shapes and layouts alone, on both meshes.
+    config = dict(SMALL)
+    figures = {}
+    for mesh_shape in ((1, 8), (2, 4)):
+        model = keras_hub_dist.abstract_backbone(
+            config, backbone_class=keras_hub.models.LlamaBackbone
+        ).model
+        dm = device_mesh(mesh_shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", keras_hub_dist.LayoutFallbackWarning)
+            layout_map = keras_hub_dist.get_layout_map(model, dm)
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+        )
+        lm = keras_hub.models.LlamaCausalLM(backbone=model, preprocessor=None)
+        lm.compile(sampler="greedy")
+        shard_generate(lm, prompt_chunk=16)
+        compiled = lower_generate(lm, 8, 64).compile()
+        figures[mesh_shape] = (
+            _cache_bytes_per_device(compiled, 1, 64), compiled.memory_analysis().temp_size_in_bytes
+        )
+    # The whole f32 cache, B x S x (k, v) x kv_heads x head_dim, split 8
+    # ways on both meshes (stock: 4x that on (2, 4), every batch row on
+    # every device).
+    total = 8 * 64 * 2 * 8 * 8 * 4
+    assert figures[(1, 8)][0] == figures[(2, 4)][0] == total // 8, figures
+    assert figures[(2, 4)][1] <= figures[(1, 8)][1], figures
+
+
+def test_bad_arguments_are_refused():
+    backbone_cls, task_cls, config = FAMILIES["llama"]
+    model = keras_hub_dist.abstract_backbone(
+        dict(config, num_layers=1), backbone_class=backbone_cls
+    ).model
+    with pytest.raises(TypeError, match="Expected a keras_hub.models.CausalLM.*Received: LlamaBackbone"):
+        shard_generate(model)
+    with pytest.raises(TypeError, match="Received: LlamaBackbone"):
+        lower_generate(model, 1, 8)
+    lm = task_cls(backbone=model, preprocessor=None)
+    for bad in (0, -3, 1.5, True, "512"):
+        with pytest.raises(ValueError, match=re.escape(f"Received: prompt_chunk={bad!r}")):
+            shard_generate(lm, prompt_chunk=bad)
+    with pytest.raises(ValueError, match=r"Expected batch_size to be a positive int\. Received: batch_size=0"):
+        lower_generate(lm, 0, 8)
+    with pytest.raises(ValueError, match="Received: prompt_chunk=0"):
+        load_sharded_preset("gemma_2b_en", prompt_chunk=0)  # before anything is read
+    lm.run_eagerly = True
+    lm.generate_function = None
+    with pytest.raises(TypeError, match="Expected KerasHub's jitted JAX generate program"):
+        lower_generate(lm, 1, 8)
+
+
+def test_gemma3_keeps_stocks_prompt_pass_with_a_warning():
+    # Gemma 3 seeds a per-layer tuple cache around images and a padding mask:
+    # left stock (documented), still generating, its batch still constrained.
+    backbone = keras_hub.models.Gemma3Backbone(
+        vocabulary_size=VOCAB, image_size=16, num_layers=2, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=32, intermediate_dim=32, head_dim=8,
+        vision_encoder=None, dtype="float32",
+    )
+    lm = keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=None)
+    lm.compile(sampler="greedy")
+    assert not keras_hub_dist.load.generate.supports_chunked_prompt(lm)
+    inputs = _inputs()
+
+    def generate():  # its program (stock generate() trips over its None outputs)
+        return np.asarray(lm.make_generate_function()(dict(inputs), stop_token_ids=None)["token_ids"])
+
+    stock = generate()
+    with pytest.warns(GenerateFallbackWarning, match="Gemma3CausalLM keeps stock KerasHub's prompt pass"):
+        shard_generate(lm, prompt_chunk=CHUNK)
+    assert lm.generate_function is None
+    np.testing.assert_array_equal(generate(), stock)
+
+
+def test_load_sharded_preset_applies_it(tmp_path):
+    preset = keras_hub_dist.write_synthetic_preset(
+        str(tmp_path / "llama"), keras_hub.models.LlamaBackbone, tokenizer=True, seed=0,
+        **dict(SMALL, num_layers=1, dtype=None),
+    )
+    lm = load_sharded_preset(preset, mesh=(2, 4), task="causal_lm", progress=False)
+    assert "_build_cache" in lm.__dict__ and type(lm) is keras_hub.models.LlamaCausalLM
+    lm = load_sharded_preset(preset, mesh=(2, 4), task="causal_lm", progress=False, prompt_chunk=None)
+    assert "_build_cache" not in lm.__dict__
