@@ -96,7 +96,9 @@ DEFAULT_PROMPT_CHUNK = 512
 # Gemma2 is `GemmaCausalLM`, Llama 3 a `LlamaCausalLM`. Gemma 3 / 3n / 4,
 # PaliGemma and Qwen 3.5 build a per-layer tuple cache around images and a
 # padding mask (`_build_cache(token_ids, img_embeddings, ...)`): they keep
-# stock's prompt pass, with a `GenerateFallbackWarning`.
+# stock's prompt pass, with a `GenerateFallbackWarning`; so do GPT-2, OPT,
+# Bloom, Falcon, GPT-NeoX, Phi-3 and SmolLM3, which have the right shape
+# but were not checked (their position embeddings and masks unread).
 SUPPORTED_CAUSAL_LMS = (
     "GemmaCausalLM",
     "LlamaCausalLM",
@@ -222,8 +224,10 @@ def shard_generate(
     if settings.prompt_chunk is not None or settings.shard_batch:
         lm_ref = weakref.ref(causal_lm)  # no cycle through the instance's own attributes
         # Plain instance attributes, set past Keras's attribute tracking
-        # (a function is nothing it tracks): the class, its config and its
-        # serialization stay stock's.
+        # (a function is nothing it tracks), rather than a made-up subclass:
+        # `type(lm)` stays the registered KerasHub class, so `get_config`,
+        # `save_to_preset` (task.json names the class) and type checks are
+        # stock's, and `prompt_chunk=None, shard_batch=False` undoes it.
         causal_lm.__dict__.update(
             _build_cache=lambda *a, **k: _build_cache(lm_ref(), settings, *a, **k),
             call_with_cache=lambda *a, **k: _call_with_cache(lm_ref(), settings, *a, **k),
