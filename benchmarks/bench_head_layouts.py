@@ -23,7 +23,8 @@ Measured (2026-11-27, XLA:CPU, jax 0.10.2, Keras 3.15.1, mesh 1x8):
     fit 8 x 512 (Adam)         stock 831 MiB  ours 831  heads 1,519 (1.83x)  heads+norms 887 (1.07x)
     generate 8 x 2048 (greedy) stock 1,118 MiB, the same in all four
     remat, Gemma-7B width, per layer: None 868 MiB, full 676 (0.78x),
-    larger_than 676 (0.78x), activations 868 (1.00x)
+    larger_than 676 (0.78x), activations 868 (1.00x); --optimizer sgd: the
+    same figures (Adam's slots add no temporaries)
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--llama", default="llama3_8b_en")
     parser.add_argument("--gemma", default="gemma_7b_en")
     parser.add_argument("--remat_modes", default="full,larger_than,activations")
+    parser.add_argument(
+        "--optimizer", default="adam",
+        help="Keras optimizer of the fit step (sgd: no slots, which shows how "
+        "much of a layer's temporaries are Adam's)",
+    )
     parser.add_argument(
         "--vocab", type=int, default=None,
         help="override the vocabulary size (the generate prefill's logits, "
@@ -93,7 +99,7 @@ def main() -> None:
             (args.batch, args.train_len, backbone.hidden_dim), "bfloat16",
             sharding=batch_sharding,
         )
-        return train_step_memory(backbone, x, y)["temp_bytes"]
+        return train_step_memory(backbone, x, y, optimizer=args.optimizer)["temp_bytes"]
 
     def mib(n):
         return f"{n / 2**20:,.0f} MiB"
@@ -163,7 +169,7 @@ def main() -> None:
                       f"compiled in {time.perf_counter() - start:.0f} s", flush=True)
         print(
             f"\nremat: {args.gemma} width, bf16, fit {args.batch} x "
-            f"{args.train_len} (Adam), mesh {args.mesh}; XLA temporaries per "
+            f"{args.train_len} ({args.optimizer}), mesh {args.mesh}; XLA temporaries per "
             "device, 1 layer / 2 layers / per layer (2 - 1)"
         )
         off = temps[None, 2] - temps[None, 1]
