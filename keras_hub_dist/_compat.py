@@ -52,6 +52,7 @@ __all__ = [
     "save_preset_metadata",
     "safetensor_loader_class",
     "set_pending_initializer",
+    "set_remat_mode",
     "swap_compile_function",
     "swap_execute_method",
     "transformers_converter",
@@ -600,3 +601,16 @@ def quantize_layer_structure(layer: Any, mode: str, float_shape: tuple[int, ...]
     finally:
         layer._tracker.lock()
     return config
+
+
+# `Operation.__init__` stores the active `RematScope` as `_remat_mode` (a
+# `RematMode`), which `__call__` applies: a built model gets it set here.
+from keras.src.backend.common import remat as _remat  # noqa: E402
+
+
+def set_remat_mode(model: Any, scope: "keras.RematScope | None") -> None:
+    """Gives `model` and its layers `scope`'s mode, as if built inside it."""
+    on = scope is not None and scope.mode is not None
+    mode = _remat.RematMode(scope.mode, scope.output_size_threshold, list(scope.layer_names)) if on else None
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        layer._remat_mode = mode

@@ -46,6 +46,7 @@ from keras_hub_dist.formats.huggingface import checksum_metadata
 from keras_hub_dist.formats.safetensors_files import read_header
 from keras_hub_dist.formats.transforms import Transpose, reshape
 from keras_hub_dist.plan import lora_layers
+from keras_hub_dist.plan.build import remat_scope
 from keras_hub_dist.save.lora_map import LoraModule, lora_modules
 
 __all__ = ["ALL_PROJECTIONS", "enable_lora", "enable_lora_without_values", "read_adapter"]
@@ -55,7 +56,8 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 def enable_lora(
-    model: Any, rank: int, lora_alpha: float | None = None, target_modules: Sequence[str] = ALL_PROJECTIONS
+    model: Any, rank: int, lora_alpha: float | None = None, target_modules: Sequence[str] = ALL_PROJECTIONS,
+    remat: Any = None,
 ) -> list[str]:
     """Enables LoRA in PEFT's form on the projections PEFT would adapt.
 
@@ -77,12 +79,19 @@ def enable_lora(
         rank: The rank `r`.
         lora_alpha: Updates are scaled by `lora_alpha / rank`; default `rank`.
         target_modules: Transformers module names, e.g. `("q_proj", "v_proj")`.
+        remat: Rematerialization for training the adapters: `None` leaves
+            the model's as it is (as built: off unless loaded with
+            `remat=`); a `keras.RematScope` mode (`"full"`, ...) or scope
+            is set on the backbone and every layer in it, as if it had been
+            built inside that scope (Keras reads a layer's mode when it is
+            called, so the built model takes it).
 
     Returns:
         The paths of the layers LoRA was enabled on.
 
     Raises:
-        ValueError: A target module the family does not have.
+        ValueError: A target module the family does not have, or an unknown
+            `remat` mode (both before the model is changed).
 
     Example:
 
@@ -92,8 +101,11 @@ def enable_lora(
     keras_hub_dist.save_lora_adapter(lm, "./adapter")
     ```
     """
+    scope = remat_scope(remat)
     backbone = getattr(model, "backbone", model)
     chosen = _chosen_layers(backbone, target_modules)
+    if scope is not None:
+        _compat.set_remat_mode(backbone, scope)
     _freeze_except(backbone, chosen)
     seed = int(_processes.broadcast_string(str(random.getrandbits(31))))
     for i, layer in enumerate(chosen):

@@ -27,7 +27,9 @@ Factories: `gemma_backbone` (Gemma, Gemma 2), `gemma3_backbone`,
 `gpt_oss_backbone`. Like `gemma3_backbone` (whose named architectures are
 the text-only ones), the Gemma 4 and Qwen 3.5 factories build the text-only
 model by default: the config's vision (and audio) encoder is dropped unless
-`text_only=False` is passed.
+`text_only=False` is passed. Every factory takes `remat=` (`None`, a
+`keras.RematScope` mode or scope): the backbone is built inside that scope,
+so a later `fit` rematerializes its layers' activations.
 
 Example:
 
@@ -57,7 +59,7 @@ from keras_hub_dist.init import initializers
 from keras_hub_dist.init import registry
 from keras_hub_dist.init.quantized import initialize_quantized
 from keras_hub_dist.plan import presets
-from keras_hub_dist.plan.build import build_without_values
+from keras_hub_dist.plan.build import build_without_values, remat_scope
 from keras_hub_dist.plan.quantization import check_quantize_arguments
 
 __all__ = [
@@ -184,6 +186,8 @@ def _build(factory: str, name_or_config: Any, overrides: dict[str, Any],
     families, default_class = _FACTORIES[factory]
     quantize = overrides.pop("quantize", None)
     mode = check_quantize_arguments(quantize, overrides.get("dtype"))
+    remat = overrides.pop("remat", None)
+    remat_scope(remat)  # an unknown mode fails before anything is built
     cls, config, entry = presets.backbone_config(
         name_or_config,
         backbone_class=getattr(keras_hub.models, default_class),
@@ -205,7 +209,7 @@ def _build(factory: str, name_or_config: Any, overrides: dict[str, Any],
         )
     _towers(factory, config, overrides, text_only)
     path = registry.lookup(family)
-    backbone, created = build_without_values(cls, config)
+    backbone, created = build_without_values(cls, config, remat)
     _inject_twin(backbone.token_embedding, path)
     for attribute in _EXTRA_EMBEDDINGS.get(family, ()):
         layer = getattr(backbone, attribute, None)
@@ -234,7 +238,10 @@ def gemma_backbone(name_or_config: Any, /, **overrides: Any):
             `num_layers=2, dtype="bfloat16"`; and `quantize="int8"` or
             `"int4"`: the backbone `backbone.quantize(mode)` would give,
             bitwise, each float kernel drawn in its shards and quantized on
-            the host one at a time (`init.quantized`).
+            the host one at a time (`init.quantized`); and `remat=`:
+            rematerialization in training, `None` (off), a
+            `keras.RematScope` mode (`"full"`, ...) or a `keras.RematScope`,
+            entered around the build (`plan.build.remat_scope`).
 
     Returns:
         The backbone; `backbone.token_embedding.embeddings_initializer` is a

@@ -28,6 +28,7 @@ specs = variable_specs("gemma_2b_en")   # (VariableSpec(path, shape, dtype), ...
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -45,12 +46,17 @@ from keras_hub_dist.plan import presets
 from keras_hub_dist.plan.sizes import itemsize
 
 __all__ = [
+    "REMAT_MODES",
     "VariableSpec",
     "build_abstract",
     "build_without_values",
+    "remat_scope",
     "specs_of",
     "variable_specs",
 ]
+
+# `keras.RematScope`'s modes (Keras 3.15); `None` is "off".
+REMAT_MODES = ("full", "activations", "larger_than", "list_of_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +104,36 @@ class _NoValue:
         )
 
 
-def build_without_values(cls: type, config: Mapping[str, Any]) -> tuple[keras.Model, list[Any]]:
+def remat_scope(remat: Any) -> keras.RematScope | None:
+    """The `keras.RematScope` that `remat=` asks for, checked; `None`: off.
+
+    Keras reads the active scope when each layer is constructed and
+    rematerializes that layer's call in every later train step (its
+    activations are recomputed in the backward pass instead of kept), so
+    the scope must be entered around the build (`build_without_values`).
+
+    Args:
+        remat: `None` (no rematerialization), one of `REMAT_MODES` (a scope
+            with Keras's defaults for that mode), or a `keras.RematScope`
+            (e.g. `keras.RematScope("larger_than", output_size_threshold=
+            2**20)`), used as it is.
+
+    Raises:
+        ValueError: Anything else (before any model is built).
+    """
+    if remat is None or isinstance(remat, keras.RematScope):
+        return remat
+    if isinstance(remat, str) and remat in REMAT_MODES:
+        return keras.RematScope(mode=remat)
+    raise ValueError(
+        f"Expected remat= to be one of {[None, *REMAT_MODES]} or a "
+        f"keras.RematScope. Received: remat={remat!r}."
+    )
+
+
+def build_without_values(
+    cls: type, config: Mapping[str, Any], remat: Any = None
+) -> tuple[keras.Model, list[Any]]:
     """Constructs `cls.from_config(config)` with no variable given a value.
 
     The one way the package builds a model before its weights exist: the
@@ -106,11 +141,21 @@ def build_without_values(cls: type, config: Mapping[str, Any]) -> tuple[keras.Mo
     and no memory. Callers then fill them from a checkpoint, draw them in
     their shards, or leave them abstract.
 
+    Args:
+        cls: The backbone class.
+        config: Its config.
+        remat: Rematerialization of every layer built (`remat_scope`):
+            `None` (off), a `keras.RematScope` mode name or a scope.
+
     Returns:
         `(model, variables created)`, the variables still pending.
     """
-    with _compat.creating_variables_without_values() as created:
-        model = cls.from_config(dict(config))
+    scope = remat_scope(remat)
+    with contextlib.ExitStack() as stack:
+        if scope is not None:
+            stack.enter_context(scope)
+        with _compat.creating_variables_without_values() as created:
+            model = cls.from_config(dict(config))
     return model, created
 
 

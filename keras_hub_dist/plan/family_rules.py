@@ -39,6 +39,25 @@ replicated. Per family:
   not the expert banks, which are 97% of the 30B-A3B's weights and would be
   replicated on every device: `extra_rules` adds them.
 
+Attention on heads (measured, not the default). KerasHub's Llama map (and
+Llama 3, Qwen 2.5, Qwen MoE, Qwen 3 MoE: the same keys, which the Llama
+families here copy) splits the q/k/v kernels `(hidden, heads, head_dim)` on
+the hidden dimension `(model, data, None)`. That does not make each device
+compute every head's attention: XLA all-reduces the q/k/v projections
+(`f32[8, 512, 32, 128]` per device at Llama-3-8B width, fit 8 x 512 on
+(1, 8)), then splits the scores on heads (`f32[8, 4, T, T]` per device),
+because the output kernel `(model, None, data)` is split on heads; and the
+hidden split carries into the residual stream and the norms, so the
+activations kept for the backward pass are split 8 ways. Splitting q/k/v on
+heads instead (`llama_head_rules`, Megatron-style) leaves the residual
+stream replicated: XLA temporaries per device of that fit step 1,519 vs
+831 MiB (1.83x KerasHub's); with the norm scales on the model axis too
+(which splits the stream again) 887 MiB (1.07x); generate 8 x 2048 1,118
+MiB in all three (benchmarks/bench_head_layouts.py, XLA:CPU). So the maps
+keep KerasHub's split, and `llama_head_rules` replaces a map's attention
+entries for those who want Megatron's communication pattern. Gemma's q/k/v
+kernels are `(heads, hidden, head_dim)`: its map splits heads already.
+
 Experts. KerasHub's MoE layers (Mixtral, Qwen 3 / 3.5 MoE, gpt-oss, Gemma 4)
 run every expert on every token as batched einsums over stacked weights
 (`"th,ehm->etm"`, then `"eti,eih->eth"`) and sum the router-weighted outputs
@@ -77,6 +96,7 @@ __all__ = [
     "extra_rules",
     "family_rules",
     "hand_written_families",
+    "llama_head_rules",
 ]
 
 Axes = tuple[Any, ...]
@@ -115,16 +135,38 @@ def gemma_rules(model: str, data: str) -> Rules:
     }
 
 
+_LLAMA_QKV = "transformer_layer.*self_attention.*(query|key|value).kernel"
+_LLAMA_OUTPUT = "transformer_layer.*attention_output.kernel"
+
+
+def llama_head_rules(model: str, data: str) -> Rules:
+    """Llama-convention attention split on heads: an opt-in (module doc).
+
+    q/k/v kernels `(hidden, heads, head_dim)` (Qwen 3.5's query `(hidden,
+    heads, 2 * head_dim)`) get `(data, model, None)`, the output kernel
+    `(heads, head_dim, hidden)` `(model, None, data)`, and the RMS norm
+    scales `(hidden,)` the model axis, which keeps the residual stream split
+    on its hidden dimension as KerasHub's map does (without it the stream is
+    replicated: 1.8x the temporaries). The keys are KerasHub's Llama keys, so
+    `layout_map.update(llama_head_rules("model", "batch"))`-style replacement
+    of a map's entries works for every Llama-convention family.
+    """
+    return {
+        _LLAMA_QKV: (data, model, None),
+        _LLAMA_OUTPUT: (model, None, data),
+        "transformer_layer.*layernorm.*scale": (model,),
+        "sequence_output_layernorm.*scale": (model,),
+    }
+
+
 def llama_attention_rules(model: str, data: str) -> Rules:
     # Same keys and axes as `keras_hub.models.LlamaBackbone.get_layout_map`:
     # q/k/v kernels are (hidden, heads, head_dim), the output kernel
     # (heads, head_dim, hidden).
     return {
         "token_embedding/embeddings": (model, data),
-        "transformer_layer.*self_attention.*(query|key|value).kernel": (
-            model, data, None,
-        ),
-        "transformer_layer.*attention_output.kernel": (model, None, data),
+        _LLAMA_QKV: (model, data, None),
+        _LLAMA_OUTPUT: (model, None, data),
     }
 
 

@@ -188,3 +188,28 @@ def test_fallback_on_a_built_model_an_abstract_one_and_a_preset_dir(tmp_path):
         "decoder_block_0/attention/key/kernel",
         "decoder_block_0/attention/value/kernel",
     }
+
+
+def test_llama_head_rules_replace_the_attention_entries_of_every_llama_map():
+    # The opt-in head split (family_rules.llama_head_rules): same keys as
+    # every Llama-convention map, so replacing them puts the model axis on
+    # the heads of q/k/v and of the output kernel.
+    from keras_hub_dist.plan.family_rules import llama_head_rules
+
+    mesh = abstract_device_mesh((2, 4))
+    rules = llama_head_rules("model", "batch")
+    for name in ("llama3_8b_en", "qwen2.5_7b_en", "qwen3_8b_en", "mistral_7b_en"):
+        layout_map = _quiet_map(name, mesh)
+        for key, axes in rules.items():
+            if key in set(layout_map.keys()):
+                del layout_map[key]
+            layout_map[key] = axes
+        attention = [
+            s for s in variable_specs(name)
+            if s.path.endswith(("query/kernel", "key/kernel", "value/kernel", "attention_output/kernel"))
+        ]
+        assert len(attention) == 4 * presets.resolve(name).config["num_layers"]
+        for spec in attention:
+            axes = tuple(layout_map[spec.path].axes)
+            heads = 0 if spec.path.endswith("attention_output/kernel") else 1
+            assert axes[heads] == "model", (name, spec.path, axes)
