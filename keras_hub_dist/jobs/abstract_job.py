@@ -146,33 +146,30 @@ def abstract_job(
         quantize: `"int8"` / `"int4"`: the layers Keras would quantize hold
             quantized variables, laid out as a quantized load lays them out.
         lora_rank: LoRA on the projections PEFT adapts (`enable_lora`).
-        remat: A `keras.RematScope` mode applied to every layer built.
+        remat: Rematerialization of every layer built (`load_sharded_preset`'s
+            `remat=`: a `keras.RematScope` mode or scope).
         task: The task, `"causal_lm"`.
 
     Raises:
         LayoutError: The mesh needs more devices than this process has.
     """
     keras_mesh = device_mesh(mesh)
-    cls = backbone_cls
-    with keras.RematScope(mode=remat) if remat else contextlib.nullcontext():
-        backbone = build_abstract(cls, config)
-        if quantize is not None:
-            quantize_without_values(backbone, quantize)
-        source = "keras_hub_dist"
-        if layout_map is None and stock_layout:
-            layout_map, source = _stock_layout_map(cls, keras_mesh, backbone)
-        elif layout_map is None:
-            layout_map = get_layout_map(backbone, keras_mesh)
-        distribution = keras.distribution.ModelParallel(
-            layout_map=layout_map, batch_dim_name=keras_mesh.axis_names[0]
-        )
-        job = AbstractJob(None, distribution, axis_sizes(keras_mesh), source)
-        with job.scope():
-            job.lay_out(backbone.weights)
-            causal_lm = _concrete_task(task_class(task, cls, {}, cls.__name__), cls)(
-                backbone=backbone, preprocessor=None
-            )
-            if lora_rank is not None:
-                job.lay_out(enable_lora_without_values(causal_lm, rank=lora_rank))
-    job.task = causal_lm
+    backbone = build_abstract(backbone_cls, config, remat)
+    if quantize is not None:
+        quantize_without_values(backbone, quantize)
+    source = "keras_hub_dist"
+    if layout_map is None and stock_layout:
+        layout_map, source = _stock_layout_map(backbone_cls, keras_mesh, backbone)
+    elif layout_map is None:
+        layout_map = get_layout_map(backbone, keras_mesh)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name=keras_mesh.axis_names[0]
+    )
+    task_cls = _concrete_task(task_class(task, backbone_cls, {}, backbone_cls.__name__), backbone_cls)
+    job = AbstractJob(None, distribution, axis_sizes(keras_mesh), source)
+    with job.scope():
+        job.lay_out(backbone.weights)
+        job.task = task_cls(backbone=backbone, preprocessor=None)
+        if lora_rank is not None:
+            job.lay_out(enable_lora_without_values(job.task, rank=lora_rank))
     return job

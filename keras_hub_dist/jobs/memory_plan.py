@@ -50,13 +50,13 @@ from keras_hub_dist.formats import huggingface
 from keras_hub_dist.jobs import programs
 from keras_hub_dist.jobs.abstract_job import AbstractJob, abstract_job, sharding_of
 from keras_hub_dist.plan import presets
+from keras_hub_dist.plan.build import remat_scope
 from keras_hub_dist.plan.mesh import axis_sizes, device_mesh
 from keras_hub_dist.plan.sizes import itemsize
 
 __all__ = ["JOBS", "MemoryPlan", "plan_memory"]
 
 JOBS = ("fit", "generate", "load")
-REMAT_MODES = ("full", "activations", "larger_than", "list_of_layers")
 _MIB = 2**20
 
 
@@ -163,12 +163,10 @@ def _check(job: str, batch_size: int, sequence_length: int, lora_rank: Any, rema
             f"Expected lora_rank to be a positive integer (or None for a full fine-tune). "
             f"Received: lora_rank={lora_rank!r}."
         )
-    mode = remat.mode if isinstance(remat, keras.RematScope) else remat
-    if mode is not None and mode not in REMAT_MODES:
-        raise PlanError(
-            f"Unknown remat mode. Expected None or one of {list(REMAT_MODES)} "
-            f"(keras.RematScope's modes). Received: remat={remat!r}."
-        )
+    try:
+        remat_scope(remat)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
     data = next(iter(sizes.values()))
     if batch_size % data:
         works = [b for b in range(data, 4 * data + 1, data)]

@@ -159,9 +159,10 @@ def build_without_values(
     return model, created
 
 
-def build_abstract(cls: type, config: Mapping[str, Any]) -> keras.Model:
-    """`cls.from_config(config)` whose variables raise on an eager read."""
-    model, created = build_without_values(cls, config)
+def build_abstract(cls: type, config: Mapping[str, Any], remat: Any = None) -> keras.Model:
+    """`cls.from_config(config)` whose variables raise on an eager read
+    (built under `remat`'s scope, as `build_without_values`)."""
+    model, created = build_without_values(cls, config, remat)
     for variable in created:
         _compat.set_pending_initializer(variable, _NoValue(variable.path))
     return model
