@@ -93,6 +93,19 @@ def test_generate_plan_equals_the_real_generate(gemma_preset, mesh, stock):
         assert plan.kv_cache_bytes == 8 // data * 2 * 2 * 16 * (8 // model) * 8 * 4
 
 
+def test_quantized_generate_plan_equals_the_real_generate(gemma_preset):
+    plan = plan_memory(gemma_preset, (2, 4), job="generate", quantize="int8", prompt_chunk=4, **PLAN)
+    lm = keras_hub_dist.load_sharded_preset(
+        gemma_preset, mesh=(2, 4), task="causal_lm", quantize="int8", prompt_chunk=4
+    )
+    lm.preprocessor = None
+    inputs = {"token_ids": np.ones((8, 16), "int32"), "padding_mask": np.ones((8, 16), bool)}
+    real = _real_program_memory(lambda: lm.generate(inputs, stop_token_ids=None), "generate")
+    for field in FIELDS:
+        assert getattr(plan, field) == real[field], field
+    assert plan.weights_bytes == sum(v.value.addressable_shards[0].data.nbytes for v in lm.weights)
+
+
 def test_lora_plan_trains_only_the_factors(gemma_preset):
     full = plan_memory(gemma_preset, (1, 8), job="fit", **PLAN)
     lora = plan_memory(gemma_preset, (1, 8), job="fit", lora_rank=4, **PLAN)
