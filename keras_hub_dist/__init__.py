@@ -50,6 +50,8 @@ from keras_hub_dist.errors import LayoutFallbackWarning  # noqa: E402
 from keras_hub_dist.errors import UnconvertedWeightsWarning  # noqa: E402
 from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
 from keras_hub_dist.errors import PresetError  # noqa: E402
+from keras_hub_dist.errors import ProcessLostError  # noqa: E402
+from keras_hub_dist._processes import initialize  # noqa: E402
 from keras_hub_dist.errors import QuantizationError  # noqa: E402
 from keras_hub_dist.errors import SaveError  # noqa: E402
 from keras_hub_dist.errors import RemoteDownloadWarning  # noqa: E402
@@ -103,6 +105,7 @@ __all__ = [
     "MemorySampler",
     "MissingLayoutWarning",
     "PresetError",
+    "ProcessLostError",
     "QuantizationAwareModelParallel",
     "QuantizationError",
     "SaveError",
@@ -117,6 +120,7 @@ __all__ = [
     "gemma_backbone",
     "get_layout_map",
     "gpt_oss_backbone",
+    "initialize",
     "initializers",
     "llama_backbone",
     "load_sharded_preset",

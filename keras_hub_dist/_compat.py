@@ -24,6 +24,7 @@ __all__ = [
     "context_mesh",
     "creating_variables_without_values",
     "deferred_variables",
+    "distributed_client",
     "distribution_layout_map",
     "draw_seed",
     "einsum_reduction",
@@ -584,3 +585,16 @@ def quantize_layer_structure(layer: Any, mode: str, float_shape: tuple[int, ...]
     finally:
         layer._tracker.lock()
     return config
+
+
+def distributed_client(detach: bool = False) -> Any:
+    """JAX's distributed client (or None); `detach`: it, the service and preemption manager out of JAX's
+    state, never freed: after a lost process, exit-time `shutdown()` and destructors wait for nobody."""
+    import ctypes
+    from jax._src import distributed
+    client = distributed.global_state.client
+    for name in ("preemption_sync_manager", "client", "service") if detach else ():
+        if (held := getattr(distributed.global_state, name)) is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(held))
+            setattr(distributed.global_state, name, None)
+    return client

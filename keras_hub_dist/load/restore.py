@@ -71,6 +71,7 @@ __all__ = ["GROUP_BYTES", "restore_checkpoint"]
 GROUP_BYTES = 256 << 20
 
 
+@_processes.raises_process_lost(CheckpointError, "the restore", _processes.RESTORE_LEFT)
 def restore_checkpoint(
     model: Any,
     directory: str | os.PathLike,
