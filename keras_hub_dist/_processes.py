@@ -141,6 +141,7 @@ def sum_disjoint_bytes(data: np.ndarray) -> np.ndarray:
     from jax.sharding import NamedSharding, PartitionSpec
 
     _refuse_after_loss()
+    _STEP[0] = "Combining the bytes of a part that several processes hold"
     local = [d for d in jax.devices() if d.process_index == jax.process_index()]
     mesh, summer = _word_summer(count, len(local))
     per_device = -(-len(data) // (4 * len(local)))  # words
@@ -271,6 +272,39 @@ def _silent_processes() -> list[int]:
     ]
 
 
+def _silence(silent: list[int]) -> RuntimeError:
+    return RuntimeError(
+        " ".join(f"Task {p} heartbeat timeout." for p in silent)
+        + f" (no keras_hub_dist beat for {_BEATS['timeout_s']} s)"
+    )
+
+
+def watching_peers(function: Callable, *args: Any) -> Any:
+    """`function(*args)`, run in a helper thread while this one watches the
+    beats: a lost process raises here (the call is left behind) instead of
+    waiting forever in a cross-process wait JAX does not end (Orbax's
+    barriers under a recoverable coordinator)."""
+    if not _BEATS or jax.process_count() == 1:
+        return function(*args)
+    done, box = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            box["value"] = function(*args)
+        except BaseException as error:  # noqa: BLE001 - re-raised by the caller
+            box["error"] = error
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="khd-watched", daemon=True).start()
+    while not done.wait(0.05):
+        if silent := _silent_processes():
+            raise _silence(silent)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def await_ready(array: jax.Array) -> None:
     """`array.block_until_ready()`, but a program waiting for a lost
     process raises (`Task N heartbeat timeout`) instead of waiting forever."""
@@ -282,10 +316,7 @@ def await_ready(array: jax.Array) -> None:
         time.sleep(pause)
         pause = min(2 * pause, 0.1)
         if silent := _silent_processes():
-            raise RuntimeError(
-                " ".join(f"Task {p} heartbeat timeout." for p in silent)
-                + f" (no keras_hub_dist beat for {_BEATS['timeout_s']} s)"
-            )
+            raise _silence(silent)
     array.block_until_ready()  # raises the program's own error, if any
 
 
@@ -360,7 +391,7 @@ def process_lost(error: BaseException, error_class: type[Exception], operation: 
     hosts = [f"process {p}" + (f" on {_HOSTS[p]}" if p in _HOSTS else "") for p in lost]
     who = ", ".join(hosts) if hosts else f"another process (this one is process {jax.process_index()})"
     where = " > ".join(_PHASE) or operation
-    step = f", at the cross-process step '{_STEP[0]}'" if _STEP[0] else ""
+    step = f' (the last cross-process step begun: "{_STEP[0]}")' if _STEP[0] else ""
     return process_lost_class(error_class)(
         f"{operation.capitalize()} lost {who} of the {jax.process_count()}-process jax.distributed job "
         f"during {where}{step}. Expected every process to take part in that step; received from JAX on "
@@ -454,16 +485,15 @@ def initialize(
         num_processes = int(env["KERAS_DISTRIBUTION_NUM_PROCESSES"])
     if process_id is None and env.get("KERAS_DISTRIBUTION_PROCESS_ID"):
         process_id = int(env["KERAS_DISTRIBUTION_PROCESS_ID"])
-    # A lost process must not take the survivors with it: JAX's coordinator
-    # then no longer aborts every process when one stops beating (the
-    # survivors raise ProcessLostError) nor holds the others at exit.
-    jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
         process_id=process_id,
         initialization_timeout=initialization_timeout_s,
-        heartbeat_timeout_seconds=heartbeat_timeout_s,
+        # JAX's coordinator aborts every process once one misses its
+        # heartbeat: later than the beats here notice the loss, so that the
+        # survivors raise ProcessLostError first and end on their own.
+        heartbeat_timeout_seconds=2 * heartbeat_timeout_s,
         shutdown_timeout_seconds=shutdown_timeout_s,
     )
     name = socket.gethostname()

@@ -67,7 +67,8 @@ def main() -> None:
         setattr(owner, name, stopping)
 
     task = "causal_lm" if phase == "restore" else None
-    model = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), task=task, progress=False)
+    if phase != "load":
+        model = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), task=task, progress=False)
     if phase == "load":
         from keras_hub_dist.load import execute
 
@@ -77,7 +78,10 @@ def main() -> None:
         stop_at(os, "pwritev", 3)
         operation = lambda: keras_hub_dist.save_sharded_preset(model, target, progress=False)  # noqa: E731
     elif phase == "s3":
+        from keras_hub_dist.formats import checksums
         from keras_hub_dist.storage import s3_writer
+
+        checksums.CHUNK_BYTES = 5 << 20  # parts of S3's least size: each process uploads some
 
         stop_at(s3_writer.S3Writer, "upload_part", 1)
         operation = lambda: keras_hub_dist.save_sharded_preset(model, target, progress=False)  # noqa: E731

@@ -1,0 +1,123 @@
+"""A process of a 2-process x 4-device job (loopback, gloo, started with
+`keras_hub_dist.initialize`) SIGKILLed at a known point mid-load, mid-save
+(a directory, S3) and mid-restore: the survivor raises the operation's
+`ProcessLostError` naming process 1 within the heartbeat (plus a margin for
+this shared machine), exits with status 1 (no SIGABRT, no exit-time hang),
+nothing is readable at the target, and the next save sweeps what was left.
+
+The times are those of the events: the test's SIGKILL (once the victim has
+written that it reached its point) and the survivor's own clock when it
+caught the error (tests/remote/lost_process_worker.py)."""
+
+import pathlib
+import sys
+import warnings
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+
+import keras_hub_dist
+from keras_hub_dist import StaleStagingWarning, write_synthetic_preset
+from keras_hub_dist.save import remote_publish
+from keras_hub_dist.storage import uploads
+from tests.multiprocess_jobs import run_lost_process_job
+
+WORKER = pathlib.Path(__file__).with_name("lost_process_worker.py")
+HEARTBEAT_S = 4
+# The loss noticed by the heartbeat (a program stuck on the lost process),
+# or at once (a collective's closed connection); the margin is this shared
+# 2-core machine's.
+BOUND_S = HEARTBEAT_S + 4
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux and loopback")
+
+
+@pytest.fixture(scope="module")
+def presets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lost_process")
+    tiny = write_synthetic_preset(
+        str(root / "tiny"), keras_hub.models.LlamaBackbone, dtype="float32", tokenizer=True, seed=3,
+        vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8, hidden_dim=64,
+        intermediate_dim=128)
+    # Over 20 MiB: S3 parts of 5 MiB, some uploaded by each process.
+    parts = write_synthetic_preset(
+        str(root / "parts"), keras_hub.models.Llama3Backbone, dtype="float32", seed=7,
+        vocabulary_size=40_000, num_layers=1, num_query_heads=8, num_key_value_heads=8, hidden_dim=128,
+        intermediate_dim=256)
+    return root, tiny, parts
+
+
+def _checkpoint(root, preset):
+    """An Orbax checkpoint of the tiny causal LM after one step of fit."""
+    directory = root / "checkpoint"
+    if not directory.exists():
+        keras.distribution.set_distribution(None)
+        lm = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), task="causal_lm", progress=False)
+        lm.preprocessor = None
+        lm.compile(optimizer=keras.optimizers.Adam(1e-3))
+        tokens = np.random.RandomState(1).randint(1, 255, size=(8, 8)).astype("int32")
+        lm.fit({"token_ids": tokens, "padding_mask": np.ones_like(tokens)}, np.roll(tokens, -1, axis=1),
+               batch_size=8, verbose=0,
+               callbacks=[keras.callbacks.OrbaxCheckpoint(str(directory), save_freq=1, save_on_background=False)])
+        keras.distribution.set_distribution(None)
+    return str(directory)
+
+
+@pytest.mark.parametrize("phase", ["load", "save", "s3", "restore"])
+def test_a_killed_process_raises_process_lost_on_the_survivor(presets, remote_target, tmp_path, phase):
+    root, tiny, parts = presets
+    preset, target = tiny, str(tmp_path / "saved")
+    if phase == "s3":
+        preset, remote = parts, remote_target("s3")
+        target = remote.url
+    elif phase == "restore":
+        pytest.importorskip("orbax.checkpoint")
+        target = _checkpoint(root, tiny)
+    out = tmp_path / "job"
+    out.mkdir()
+    result = run_lost_process_job(WORKER, [preset, phase, target], out, heartbeat_s=HEARTBEAT_S)
+    report = result["report"]
+    assert result["exit"] == 1 and report, result["stderr"][-3000:]
+    wanted = {"load": "PresetError", "save": "SaveError", "s3": "SaveError", "restore": "CheckpointError"}[phase]
+    assert "ProcessLostError" in report["classes"] and wanted in report["classes"], report
+    assert report["lost"] == [1] and "lost process 1 " in report["message"], report["message"]
+    assert "dataset" not in report["message"] and "Loading variable" not in report["message"]
+    assert result["kill_to_error_s"] <= BOUND_S and result["kill_to_exit_s"] <= BOUND_S + 4, result
+    print(f"{phase}: kill -> error {result['kill_to_error_s']:.2f} s, kill -> exit {result['kill_to_exit_s']:.2f} s")
+
+    if phase in ("save", "s3"):
+        _check_nothing_published_then_swept(preset, target, phase)
+
+
+def _check_nothing_published_then_swept(preset, target, phase):
+    """Nothing readable at the target; a save from this process (the job
+    restarted) publishes and leaves nothing of the killed job behind."""
+    keras.distribution.set_distribution(None)
+    model = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), progress=False)
+    if phase == "save":
+        parent = pathlib.Path(target).parent
+        assert not pathlib.Path(target).exists()
+        left = [p.name for p in parent.iterdir() if p.name != "job"]
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            keras_hub_dist.save_sharded_preset(model, target, progress=False)
+        assert sorted(p.name for p in parent.iterdir() if p.name != "job") == ["saved"], left
+        swept = [str(w.message) for w in warned if w.category is StaleStagingWarning]
+        assert not left or swept, (left, swept)
+    else:
+        writer = uploads.open_writer(target)
+        assert "config.json" not in writer.list()
+        # What a killed save leaves is swept once its lease has lapsed.
+        lease = remote_publish.LEASE_SECONDS
+        remote_publish.LEASE_SECONDS = 0.0
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", StaleStagingWarning)
+                keras_hub_dist.save_sharded_preset(model, target, progress=False)
+        finally:
+            remote_publish.LEASE_SECONDS = lease
+        assert "config.json" in writer.list() and writer.list_uploads() == []
+        assert not [n for n in writer.list() if n.startswith(".")], writer.list()
+    keras.distribution.set_distribution(None)
