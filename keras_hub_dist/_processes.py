@@ -32,6 +32,7 @@ import functools
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -282,8 +283,8 @@ def _silence(silent: list[int]) -> RuntimeError:
 def watching_peers(function: Callable, *args: Any) -> Any:
     """`function(*args)`, run in a helper thread while this one watches the
     beats: a lost process raises here (the call is left behind) instead of
-    waiting forever in a cross-process wait JAX does not end (Orbax's
-    barriers under a recoverable coordinator)."""
+    waiting in a cross-process wait that only its own timeout ends (Orbax's
+    barriers: minutes)."""
     if not _BEATS or jax.process_count() == 1:
         return function(*args)
     done, box = threading.Event(), {}
@@ -326,10 +327,23 @@ def _exit_after_loss() -> None:
     exit-time clean-up would wait for programs stuck on the lost process
     (and for it at a shutdown barrier)."""
     if _LOST:
-        for stream in (getattr(__import__("sys"), name) for name in ("stdout", "stderr")):
+        for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(1)
+
+
+def _end_on_uncaught_loss() -> None:
+    """An uncaught error ends the process as soon as its traceback is
+    printed: Python would first join threads left waiting on the lost
+    process (a thread pool's call stuck at an Orbax barrier)."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        previous(kind, value, traceback)
+        _exit_after_loss()
+
+    sys.excepthook = hook
 
 
 def _refuse_after_loss() -> None:
@@ -387,6 +401,7 @@ def process_lost(error: BaseException, error_class: type[Exception], operation: 
     if not _LOST:
         _LOST.append(_first_line(text))
         _compat.distributed_client(detach=True)
+        _end_on_uncaught_loss()
     lost = lost_processes(text)
     hosts = [f"process {p}" + (f" on {_HOSTS[p]}" if p in _HOSTS else "") for p in lost]
     who = ", ".join(hosts) if hosts else f"another process (this one is process {jax.process_index()})"

@@ -6,10 +6,12 @@ Usage: python lost_process_worker.py PROCESS_ID NUM_PROCESSES PORT
            LOCAL_DEVICES PRESET PHASE TARGET OUT_DIR [HEARTBEAT_S] [VICTIM]
 
 Joins the job with `keras_hub_dist.initialize` (heartbeat HEARTBEAT_S,
-default 5), loads PRESET on the mesh (1, 8) (a causal LM for `restore`) and
-runs PHASE: `load` (PRESET again), `save` (into the directory TARGET), `s3`
-(into the URL TARGET), `restore` (the Orbax checkpoint TARGET). Process
-VICTIM (default 1) stops at a known point of that phase (its second block
+default 5; 0: `jax.distributed.initialize` with JAX's defaults, the setup
+before issue 40) and runs PHASE: `load` (PRESET on the mesh (1, 8)); after
+loading PRESET so (a causal LM for `restore`): `save` (into the directory
+TARGET), `s3` (into the URL TARGET), `restore` (the Orbax checkpoint
+TARGET). Process
+VICTIM (default 1) stops at a known point of that phase (its third variable
 read, third positioned write, first part upload, first checkpoint read),
 writes OUT_DIR/ready.json (its pid and the time) and waits to be SIGKILLed.
 The survivor writes OUT_DIR/process_<id>.json when the operation raises
@@ -38,8 +40,13 @@ def main() -> None:
     import keras_hub_dist
 
     try:
-        keras_hub_dist.initialize(f"127.0.0.1:{port}", num_processes, process_id,
-                                  heartbeat_timeout_s=heartbeat, initialization_timeout_s=120)
+        if heartbeat:
+            keras_hub_dist.initialize(f"127.0.0.1:{port}", num_processes, process_id,
+                                      heartbeat_timeout_s=heartbeat, initialization_timeout_s=120)
+        else:
+            import jax
+
+            jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id)
     except Exception as error:  # noqa: BLE001 - reported to the test as a skip
         print(f"cannot start a multi-process JAX job here: {error!r}", file=sys.stderr)
         sys.exit(UNSUPPORTED)
