@@ -8,9 +8,9 @@ Usage: python lost_process_worker.py PROCESS_ID NUM_PROCESSES PORT
 Joins the job with `keras_hub_dist.initialize` (heartbeat HEARTBEAT_S,
 default 5; 0: `jax.distributed.initialize` with JAX's defaults, the setup
 before issue 40) and runs PHASE: `load` (PRESET on the mesh (1, 8)); after
-loading PRESET so (a causal LM for `restore`): `save` (into the directory
-TARGET), `s3` (into the URL TARGET), `restore` (the Orbax checkpoint
-TARGET). Process
+loading PRESET so: `save` (into the directory
+TARGET), `s3` (into the URL TARGET), `restore` (the weights-only Orbax
+checkpoint TARGET). Process
 VICTIM (default 1) stops at a known point of that phase (its third variable
 read, third positioned write, first part upload, first checkpoint read),
 writes OUT_DIR/ready.json (its pid and the time) and waits to be SIGKILLed.
@@ -35,8 +35,6 @@ def main() -> None:
     heartbeat = int(sys.argv[9]) if len(sys.argv) > 9 else 5
     victim = int(sys.argv[10]) if len(sys.argv) > 10 else 1
     simulate_cpu_devices(local_devices)
-    import keras
-
     import keras_hub_dist
 
     try:
@@ -73,9 +71,8 @@ def main() -> None:
 
         setattr(owner, name, stopping)
 
-    task = "causal_lm" if phase == "restore" else None
     if phase != "load":
-        model = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), task=task, progress=False)
+        model = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), progress=False)
     if phase == "load":
         from keras_hub_dist.load import execute
 
@@ -95,7 +92,6 @@ def main() -> None:
     elif phase == "restore":
         from keras_hub_dist.load import orbax_checkpoint
 
-        model.compile(optimizer=keras.optimizers.Adam(1e-3))
         stop_at(orbax_checkpoint, "read_arrays", 1)
         operation = lambda: keras_hub_dist.restore_checkpoint(model, target, progress=False)  # noqa: E731
     else:
