@@ -212,9 +212,13 @@ def max_over_processes(values: np.ndarray) -> np.ndarray:
 # does not wait for the lost process at a barrier.
 
 _LOST_SIGNS = re.compile(
-    r"Gloo [\w -]*failed|Connection closed by peer|Connection reset by peer|heartbeat timeout"
-    r"|stopped sending heartbeats|tasks? (?:are|is) unhealthy|Socket closed|Connection refused"
-    r"|Broken pipe|lost earlier in this job",
+    r"Gloo [\w -]*failed|heartbeat timeout|stopped sending heartbeats|tasks? (?:are|is) unhealthy"
+    r"|lost earlier in this job",
+    re.IGNORECASE,
+)
+# Only from JAX's runtime: an object store's reset connection is no lost process.
+_JAX_LOST_SIGNS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Socket closed|Connection refused|Broken pipe",
     re.IGNORECASE,
 )
 # What each kind of operation leaves behind when a process is lost.
@@ -363,7 +367,10 @@ def lost_process_cause(error: BaseException) -> BaseException | None:
     found, current = None, error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if _LOST_SIGNS.search(f"{type(current).__name__}: {current}"):
+        text = f"{type(current).__name__}: {current}"
+        if _LOST_SIGNS.search(text) or (
+            type(current).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and _JAX_LOST_SIGNS.search(text)
+        ):
             found = current
         current = current.__cause__ or current.__context__
     return found or (error if _LOST else None)

@@ -121,3 +121,30 @@ def _check_nothing_published_then_swept(preset, target, phase):
         assert "config.json" in writer.list() and writer.list_uploads() == []
         assert not [n for n in writer.list() if n.startswith(".")], writer.list()
     keras.distribution.set_distribution(None)
+
+
+def test_only_a_jax_collective_or_heartbeat_failure_is_a_lost_process(monkeypatch):
+    """What the survivors see, told apart from a file's or a store's error
+    (in one process: the job's size faked)."""
+    from keras_hub_dist import PresetError, _processes
+
+    monkeypatch.setattr(_processes.jax, "process_count", lambda: 4)
+    monkeypatch.setattr(_processes.jax, "process_index", lambda: 0)
+
+    class JaxRuntimeError(Exception):
+        pass
+
+    gloo = JaxRuntimeError("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [10.0.0.2]:5")
+    wrapped = PresetError("Loading variable 'x' from dataset 'y' failed: JaxRuntimeError: UNKNOWN: Gloo ...")
+    wrapped.__cause__ = gloo
+    assert _processes.lost_process_cause(wrapped) is gloo
+    reset = JaxRuntimeError("UNAVAILABLE: Connection reset by peer")
+    assert _processes.lost_process_cause(reset) is reset
+    # An object store's reset connection, a missing file: not a lost process.
+    assert _processes.lost_process_cause(ConnectionResetError("[Errno 104] Connection reset by peer")) is None
+    assert _processes.lost_process_cause(PresetError("model.weights.h5 is truncated")) is None
+    assert _processes.lost_processes("UNAVAILABLE: Task 3 heartbeat timeout. This indicates") == (3,)
+    unhealthy = "The following tasks are unhealthy (stopped sending heartbeats):\n1\n2\nThe tasks have crashed."
+    assert _processes.lost_processes(unhealthy) == (1, 2)
+    monkeypatch.setattr(_processes, "_HOSTS", {0: "a (10.0.0.1)", 1: "b (10.0.0.2)", 2: "c (10.0.0.3)"})
+    assert _processes.lost_processes(str(gloo)) == (1,)
