@@ -91,6 +91,23 @@ def test_a_killed_process_raises_process_lost_on_the_survivor(presets, remote_ta
         _check_nothing_published_then_swept(preset, target, phase)
 
 
+def test_a_killed_coordinator_leaves_a_bucket_the_next_save_sweeps(presets, remote_target, tmp_path):
+    """Process 0 (the coordinator) SIGKILLed mid-save into S3: JAX aborts
+    the survivor (SIGABRT) unless its collective failed first (then
+    `ProcessLostError` naming process 0), within a second or two either
+    way; what the job left (its owner record, open multipart uploads) is
+    swept by the next save once the record's lease has lapsed."""
+    _, _, parts = presets
+    remote = remote_target("s3")
+    out = tmp_path / "job"
+    out.mkdir()
+    result = run_lost_process_job(WORKER, [parts, "s3", remote.url], out, victim=0, heartbeat_s=HEARTBEAT_S)
+    assert result["exit"] in (1, -6) and result["kill_to_exit_s"] <= BOUND_S, result
+    if result["exit"] == 1:
+        assert result["report"]["lost"] == [0], result["report"]
+    _check_nothing_published_then_swept(parts, remote.url, "s3")
+
+
 def _check_nothing_published_then_swept(preset, target, phase):
     """Nothing readable at the target; a save from this process (the job
     restarted) publishes and leaves nothing of the killed job behind."""
