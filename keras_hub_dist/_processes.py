@@ -12,6 +12,14 @@ over small host arrays (gloo on CPU, the accelerator's own otherwise), and
 `sum_disjoint_bytes` for the parts of a remote save that several processes
 hold bytes of.
 
+A process of the job lost mid-operation (preempted, OOM-killed) ends the
+operation on the survivors with its `ProcessLostError`
+(`raises_process_lost`, on every public operation), noticed at once where a
+collective's connection closes and within the heartbeat where a wait would
+never end (`await_ready`, `watching_peers`, on the beats `initialize`
+starts); the survivors then end without waiting for the lost process at
+exit. See docs/multi-host.md.
+
 Example:
 
 ```python
@@ -35,7 +43,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -51,8 +59,10 @@ __all__ = [
     "gather_strings",
     "initialize",
     "max_over_processes",
-    "phase",
+    "await_ready",
+    "process_lost",
     "raises_process_lost",
+    "watching_peers",
     "sum_disjoint_bytes",
     "sum_over_processes",
 ]
@@ -226,7 +236,7 @@ LOAD_LEFT = "nothing: no model is returned, nothing was written, this process's 
 SAVE_LEFT = (
     "nothing published at the target (a preset already there is unchanged); the staging directory, or in "
     "a bucket the owner record and any multipart uploads not aborted, are swept by the next save to the "
-    "same target"
+    "same target (docs/multi-host.md)"
 )
 RESTORE_LEFT = "the model's variables partly restored: restore the checkpoint again in the restarted job"
 _LOST: list[str] = []  # the first lost-process error seen, if any
@@ -451,16 +461,6 @@ def raises_process_lost(error_class: type[Exception], operation: str, left: str)
         return run
 
     return decorate
-
-
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Names the phase of the running operation, for `ProcessLostError`."""
-    _PHASE.append(name)
-    try:
-        yield
-    finally:
-        _PHASE.pop()
 
 
 def initialize(
