@@ -52,6 +52,8 @@ from keras_hub_dist.errors import UnconvertedWeightsWarning  # noqa: E402
 from keras_hub_dist.errors import MissingLayoutWarning  # noqa: E402
 from keras_hub_dist.errors import PlanError  # noqa: E402
 from keras_hub_dist.errors import PresetError  # noqa: E402
+from keras_hub_dist.errors import ProcessLostError  # noqa: E402
+from keras_hub_dist._processes import initialize  # noqa: E402
 from keras_hub_dist.errors import QuantizationError  # noqa: E402
 from keras_hub_dist.errors import SaveError  # noqa: E402
 from keras_hub_dist.errors import RemoteDownloadWarning  # noqa: E402
@@ -112,6 +114,7 @@ __all__ = [
     "MissingLayoutWarning",
     "PlanError",
     "PresetError",
+    "ProcessLostError",
     "QuantizationAwareModelParallel",
     "QuantizationError",
     "SaveError",
@@ -126,6 +129,7 @@ __all__ = [
     "gemma_backbone",
     "get_layout_map",
     "gpt_oss_backbone",
+    "initialize",
     "initializers",
     "llama_backbone",
     "load_sharded_preset",

@@ -16,49 +16,20 @@ import jax
 import keras
 
 __all__ = [
-    "builtin_preset_names",
-    "CAN_WATCH_COMPILATIONS",
-    "CAN_WATCH_EXECUTIONS",
-    "computation_name",
-    "compute_fans",
-    "context_mesh",
-    "creating_variables_without_values",
-    "deferred_variables",
-    "distribution_layout_map",
-    "draw_seed",
-    "einsum_reduction",
-    "executed_program",
-    "forget_deferred_variables",
-    "H5IOStore",
-    "saveable_being_saved",
-    "host_array",
-    "in_stateless_scope",
-    "initialize_pending",
-    "is_pending",
-    "JAX_VERSION",
-    "KERAS_VERSION",
-    "materialize_deferred_variable",
-    "pending_initializer",
-    "pending_layout",
-    "preset_file",
-    "preset_has_file",
-    "preset_file_names",
-    "leaf_layers",
-    "own_dtype_policies",
-    "quantization_modes",
-    "quantize_layer_structure",
-    "require_jax_backend",
-    "save_preset_config",
-    "save_preset_metadata",
-    "safetensor_loader_class",
-    "set_pending_initializer",
-    "set_remat_mode",
-    "swap_compile_function",
-    "swap_execute_method",
-    "transformers_converter",
-    "unfilled_weights_store",
-    "variable_array",
-    "variables_size_in_bytes",
+    "builtin_preset_names", "CAN_WATCH_COMPILATIONS", "CAN_WATCH_EXECUTIONS",
+    "computation_name", "compute_fans", "context_mesh",
+    "creating_variables_without_values", "deferred_variables", "distributed_client",
+    "distribution_layout_map", "draw_seed", "einsum_reduction", "executed_program",
+    "forget_deferred_variables", "H5IOStore", "host_array", "in_stateless_scope",
+    "initialize_layout", "initialize_pending", "is_pending", "JAX_VERSION",
+    "KERAS_VERSION", "leaf_layers", "materialize_deferred_variable",
+    "own_dtype_policies", "pending_initializer", "pending_layout", "preset_file",
+    "preset_file_names", "preset_has_file", "quantization_modes",
+    "quantize_layer_structure", "require_jax_backend", "safetensor_loader_class",
+    "save_preset_config", "save_preset_metadata", "saveable_being_saved",
+    "set_pending_initializer", "set_remat_mode", "swap_compile_function",
+    "swap_execute_method", "symbolic_build", "transformers_converter",
+    "unfilled_weights_store", "variable_array", "variables_size_in_bytes",
     "walk_saved_variables",
 ]
 
@@ -420,18 +391,13 @@ def pending_layout(variable: Any) -> Any:
 
 
 def initialize_layout(variable: Any) -> None:
-    """Gives a variable created without a value the layout Keras gives it
-    when it initializes it (its own, else the active distribution's), now:
-    Keras's optimizer copies a model variable's `_layout` into its moments,
-    so a plan that builds an optimizer on value-less variables needs it set
-    (`Variable._initialize_layout`, private in Keras 3.15)."""
+    """Sets a value-less variable's layout now, as its initialization would:
+    the optimizer copies `_layout` into the moments it builds."""
     variable._initialize_layout()
 
 
 def symbolic_build(model: Any, data_batch: Any) -> None:
-    """Builds a compiled model's optimizer, loss and metric state from one
-    batch's shapes, as `fit` does before its first step
-    (`Trainer._symbolic_build`, private in Keras 3.15)."""
+    """A compiled model's optimizer, loss and metric state, as `fit` builds it."""
     model._symbolic_build(data_batch=data_batch)
 
 
@@ -614,3 +580,16 @@ def set_remat_mode(model: Any, scope: "keras.RematScope | None") -> None:
     mode = _remat.RematMode(scope.mode, scope.output_size_threshold, list(scope.layer_names)) if on else None
     for layer in model._flatten_layers(include_self=True, recursive=True):
         layer._remat_mode = mode
+
+
+def distributed_client(detach: bool = False) -> Any:
+    """JAX's distributed client (or None); `detach`: it, the service and preemption manager out of JAX's
+    state, never freed: after a lost process, exit-time `shutdown()` and destructors wait for nobody."""
+    import ctypes
+    from jax._src import distributed
+    client = distributed.global_state.client
+    for name in ("preemption_sync_manager", "client", "service") if detach else ():
+        if (held := getattr(distributed.global_state, name)) is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(held))
+            setattr(distributed.global_state, name, None)
+    return client

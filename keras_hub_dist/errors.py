@@ -134,3 +134,50 @@ class PlanError(ValueError):
 
 
 __all__.append("PlanError")
+
+
+class ProcessLostError(RuntimeError):
+    """Another process of the `jax.distributed` job was lost (preempted,
+    OOM-killed, its host gone) during a cross-process step of a load, save,
+    conversion or restore. Raised on every surviving process that reaches
+    the step, as the operation's own error too: `except SaveError` (or
+    `PresetError`, `CheckpointError`) catches it. `lost` holds the lost
+    process ids where JAX tells them (else `()`), `phase` the step, `left`
+    what the operation left behind.
+    """
+
+    def __init__(self, message: str, *, lost: tuple[int, ...] = (), phase: str = "", left: str = ""):
+        super().__init__(message)
+        self.lost, self.phase, self.left = tuple(lost), phase, left
+
+
+class LoadProcessLostError(ProcessLostError, PresetError):
+    """A process was lost during a load (`load_sharded_preset`, a LoRA
+    adapter's load, `verify=True`): also a `PresetError`."""
+
+
+class SaveProcessLostError(ProcessLostError, SaveError):
+    """A process was lost during a save, an export, `convert_checkpoint` or
+    `save_lora_adapter`: also a `SaveError`."""
+
+
+class CheckpointProcessLostError(ProcessLostError, CheckpointError):
+    """A process was lost during `restore_checkpoint`: also a
+    `CheckpointError`."""
+
+
+def process_lost_class(error_class: type[Exception]) -> type[ProcessLostError]:
+    """The `ProcessLostError` that is also an `error_class`."""
+    for lost in (SaveProcessLostError, CheckpointProcessLostError, LoadProcessLostError):
+        if issubclass(lost, error_class):
+            return lost
+    return ProcessLostError
+
+
+__all__ += [
+    "CheckpointProcessLostError",
+    "LoadProcessLostError",
+    "ProcessLostError",
+    "SaveProcessLostError",
+    "process_lost_class",
+]

@@ -173,3 +173,61 @@ def block_byte_ranges(dataset, block):
     elements = flat[tuple(slice(a, b) for a, b in block)].reshape(-1)
     return merge_ranges((dataset.offset + e * itemsize, dataset.offset + (e + 1) * itemsize)
                   for e in elements)
+
+
+def run_lost_process_job(worker, args, out_dir, victim=1, heartbeat_s=5, limit_s=TIME_LIMIT_S):
+    """Runs the 2-process x 4-device job of `worker`
+    (tests/remote/lost_process_worker.py) with `args` (PRESET PHASE TARGET),
+    SIGKILLs process `victim` once it writes `out_dir/ready.json` (at its
+    phase's known point) and waits for the survivor to end. Returns the
+    figures at the events: `kill_to_error_s` (the SIGKILL to the survivor
+    catching its error, by its own clock), `kill_to_exit_s`, the survivor's
+    `exit` status, its report (`process_<id>.json`) and stderr."""
+    import time
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(i), "2", str(port), "4", *map(str, args), str(out_dir),
+             str(heartbeat_s), str(victim)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(),
+            start_new_session=True,
+        )
+        for i in range(2)
+    ]
+    survivor = procs[1 - victim]
+    ready = out_dir / "ready.json"
+    try:
+        deadline = time.monotonic() + limit_s
+        while not ready.exists():  # the victim writes it, then waits to be killed
+            if any(p.poll() is not None for p in procs):
+                codes = [p.poll() for p in procs]
+                errs = [p.stderr.read()[-3000:] if p.poll() is not None else "" for p in procs]
+                if UNSUPPORTED in codes:
+                    pytest.skip(errs[codes.index(UNSUPPORTED)].strip().splitlines()[-1])
+                pytest.fail(f"a process ended before the kill point: {codes}\n" + "\n---\n".join(errs))
+            if time.monotonic() > deadline:
+                pytest.fail(f"the kill point was not reached in {limit_s} s")
+            time.sleep(0.02)
+        os.kill(json.loads(ready.read_text())["pid"], signal.SIGKILL)
+        killed = time.time()
+        try:
+            _, err = survivor.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the survivor did not exit within {limit_s} s of the kill")
+        exited = time.time()
+    finally:
+        for proc in procs:  # never leave a process behind
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    report_path = out_dir / f"process_{1 - victim}.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    caught = report.get("caught")
+    return {
+        "kill_to_error_s": None if caught is None else caught - killed,
+        "kill_to_exit_s": exited - killed,
+        "exit": survivor.returncode,
+        "report": report,
+        "stderr": err,
+    }

@@ -19,36 +19,38 @@ MAX_LINES = 600
 # (`plan`, ...) or a module at the package root.
 RANKS = {
     # Private helpers: exceptions and warnings, then the private Keras/JAX
-    # names, progress bars and what the processes of a job agree on.
+    # names and progress bars, then what the processes of a job agree on
+    # (which detaches JAX's distributed client through _compat when a
+    # process is lost).
     "errors": 0,
     "_compat": 1,
     "_progress": 1,
-    "_processes": 1,
+    "_processes": 2,
     # Where bytes live and how they move (files, HTTP ranges, object stores,
     # host buffers): nothing of what the bytes mean.
-    "storage": 2,
+    "storage": 3,
     # Memory measurement, which the loader (memory_report) and validate use.
-    "measure": 3,
+    "measure": 4,
     # The phases: plan -> formats (what the bytes mean) -> quantize (int8 /
     # int4 from float blocks) -> init / load / save -> validate.
-    "plan": 4,
-    "formats": 5,
-    "quantize": 6,
-    "init": 7,
-    "load": 7,
-    "save": 7,
-    "adapters": 8,
+    "plan": 5,
+    "formats": 6,
+    "quantize": 7,
+    "init": 8,
+    "load": 8,
+    "save": 8,
+    "adapters": 9,
     # The job around the checkpoint (fit / generate planned per device): it
     # builds tasks as the loader does and LoRA as `adapters` does.
-    "jobs": 9,
+    "jobs": 10,
     # The command line and the validation report, which plan jobs too.
-    "validate": 10,
+    "validate": 11,
     # Public names re-exported from their homes, then the package itself.
-    "initializers": 11,
-    "memory": 11,
-    "presets": 11,
-    "registry": 11,
-    "": 12,
+    "initializers": 12,
+    "memory": 12,
+    "presets": 12,
+    "registry": 12,
+    "": 13,
 }
 
 

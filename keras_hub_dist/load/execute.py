@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from keras_hub_dist import _processes
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats.base import Index
 from keras_hub_dist.storage import host_io
@@ -372,8 +373,9 @@ def _await_collective(array: jax.Array) -> None:
     processes wait for the same program: plan order is the same everywhere.
     GPU and TPU clients run a program's shares on streams, not on the
     launching pool, so there the rounds keep overlapping with placement.
+    A lost process ends the wait (`_processes.await_ready`).
     """
-    array.block_until_ready()
+    _processes.await_ready(array)
 
 
 def _buffer_sizes(plan: LoadPlan) -> Iterator[int]:
@@ -496,9 +498,11 @@ def execute_plan(
                         _retire(retiring, buffers, keep=_RETIRING)
                 created.append(array)
                 on_variable(var, array)
-            except PresetError as e:
-                raise PresetError(f"Loading variable {var.path!r} failed: {e}") from e
             except Exception as e:  # noqa: BLE001 - re-raised with the path
+                if _processes.lost_process_cause(e) is not None:
+                    raise  # a lost process, not this variable's file: loader.py names it
+                if isinstance(e, PresetError):
+                    raise PresetError(f"Loading variable {var.path!r} failed: {e}") from e
                 raise PresetError(
                     f"Loading variable {var.path!r} (shape {var.shape}, "
                     f"{var.source_dtype} -> {var.target_dtype}, spec "

@@ -52,7 +52,7 @@ from typing import Any
 import jax
 import keras
 
-from keras_hub_dist import _compat
+from keras_hub_dist import _compat, _processes
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.storage import host_io
@@ -86,6 +86,7 @@ from keras_hub_dist.plan.model_layouts import (
 __all__ = ["LoadReport", "load_sharded_preset"]
 
 
+@_processes.raises_process_lost(PresetError, "the load", _processes.LOAD_LEFT)
 def load_sharded_preset(
     preset: str | os.PathLike,
     mesh: Any = None,

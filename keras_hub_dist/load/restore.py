@@ -71,6 +71,7 @@ __all__ = ["GROUP_BYTES", "restore_checkpoint"]
 GROUP_BYTES = 256 << 20
 
 
+@_processes.raises_process_lost(CheckpointError, "the restore", _processes.RESTORE_LEFT)
 def restore_checkpoint(
     model: Any,
     directory: str | os.PathLike,
@@ -321,7 +322,8 @@ def _execute(
                     old.delete()
                 del old
             try:
-                arrays = orbax_checkpoint.read_arrays(step_dir, wanted)
+                # Orbax's cross-process waits never end on a lost process: watched.
+                arrays = _processes.watching_peers(orbax_checkpoint.read_arrays, step_dir, wanted)
                 for i in group:
                     array = arrays[plan.keys[i]]
                     if _compat.is_pending(variables[i]):

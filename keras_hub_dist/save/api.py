@@ -20,6 +20,7 @@ from typing import Any
 
 import keras
 
+from keras_hub_dist import _processes
 from keras_hub_dist.errors import SaveError
 from keras_hub_dist.save import hf_export, remote_hf_export, remote_save, saver
 from keras_hub_dist.save.remote_publish import check_url
@@ -32,6 +33,7 @@ FORMATS = ("keras", "huggingface")
 _DEFAULT: Any = object()
 
 
+@_processes.raises_process_lost(SaveError, "the save", _processes.SAVE_LEFT)
 def save_sharded_preset(
     model: keras.Model,
     preset_dir: str | os.PathLike,

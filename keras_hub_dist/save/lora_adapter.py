@@ -260,6 +260,7 @@ def _write(variables: list[Any], plans: dict[str, list[BlockPlan]], progress: bo
     return _walk_writes(walk, files, bar, durable, error)
 
 
+@_processes.raises_process_lost(SaveError, "the adapter save", _processes.SAVE_LEFT)
 def save_lora_adapter(
     model: Any,
     adapter_dir: str | os.PathLike,

@@ -52,7 +52,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_hub_dist import _compat
+from keras_hub_dist import _compat, _processes
 from keras_hub_dist._progress import byte_progress
 from keras_hub_dist.errors import SaveError
 from keras_hub_dist.formats import checksums, keras_h5
@@ -250,6 +250,7 @@ def _task(location: Location, label: str, backbone: Any, wanted: str | None) -> 
         raise
 
 
+@_processes.raises_process_lost(SaveError, "the conversion", _processes.SAVE_LEFT)
 def convert_checkpoint(
     source: str | os.PathLike,
     target: str | os.PathLike,

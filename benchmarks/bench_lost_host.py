@@ -1,0 +1,169 @@
+"""Benchmark: a host lost mid-operation (issue 40), per phase and per
+process killed.
+
+Each case is a 2-process x 4-device job on loopback (gloo), started by
+`tests/remote/lost_process_worker.py`: process VICTIM stops at a known point
+of the phase (a load's third variable read, a directory save's third
+positioned write, an S3 save's first part upload, a restore's first
+checkpoint read), says so in a file, and this script SIGKILLs it. Measured
+at the events: kill -> the survivor catching its error (by its own clock),
+kill -> the survivor's exit, its exit status and error class, and what is
+left at the target (a directory: the target and staging entries beside it;
+S3: objects and open multipart uploads).
+
+The setup is the package's (`keras_hub_dist.initialize`, heartbeat
+`--heartbeat`, default 10 s) or, with `--jax-defaults`, the one before
+issue 40 (`jax.distributed.initialize`, JAX's 100 s heartbeat: expect
+minutes per case). The models are the tests' synthetic Llama presets
+(tiny: 2 blocks, width 64; for S3 a 21 MB one, so that both processes
+upload 5 MiB parts); the S3 store is moto's server on loopback.
+
+    python benchmarks/bench_lost_host.py [--heartbeat 10] [--phases load,save,s3,restore] [--victims 1,0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+WORKER = ROOT / "tests" / "remote" / "lost_process_worker.py"
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _presets(root: pathlib.Path) -> tuple[str, str]:
+    import keras_hub
+
+    from keras_hub_dist import write_synthetic_preset
+
+    tiny = write_synthetic_preset(
+        str(root / "tiny"), keras_hub.models.LlamaBackbone, dtype="float32", tokenizer=True, seed=3,
+        vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8, hidden_dim=64,
+        intermediate_dim=128)
+    parts = write_synthetic_preset(
+        str(root / "parts"), keras_hub.models.Llama3Backbone, dtype="float32", seed=7,
+        vocabulary_size=40_000, num_layers=1, num_query_heads=8, num_key_value_heads=8, hidden_dim=128,
+        intermediate_dim=256)
+    return tiny, parts
+
+
+def _checkpoint(root: pathlib.Path, preset: str) -> str:
+    """A weights-only Orbax checkpoint of the tiny backbone, written by
+    `keras.callbacks.OrbaxCheckpoint` as at the end of an epoch."""
+    import keras
+
+    import keras_hub_dist
+
+    directory = root / "checkpoint"
+    backbone = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), progress=False)
+    backbone.compile(optimizer=keras.optimizers.SGD())  # its state is not saved (weights only)
+    callback = keras.callbacks.OrbaxCheckpoint(str(directory), save_weights_only=True, save_on_background=False)
+    callback.set_model(backbone)
+    callback.on_epoch_end(0)
+    callback.on_train_end()
+    keras.distribution.set_distribution(None)
+    return str(directory)
+
+
+def _left(phase: str, target: str) -> str:
+    if phase == "save":
+        parent = pathlib.Path(target).parent
+        names = sorted(p.name for p in parent.iterdir() if p.name != "job")
+        return ", ".join(names) or "nothing"
+    if phase == "s3":
+        from keras_hub_dist.storage import uploads
+
+        writer = uploads.open_writer(target)
+        objects = sorted(writer.list())
+        return f"{len(objects)} objects {objects[:3]}, {len(writer.list_uploads())} open uploads"
+    return "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heartbeat", type=int, default=10)
+    parser.add_argument("--jax-defaults", action="store_true")
+    parser.add_argument("--phases", default="load,save,s3,restore")
+    parser.add_argument("--victims", default="1,0")
+    parser.add_argument("--limit", type=int, default=240, help="seconds a survivor may take to exit")
+    args = parser.parse_args()
+
+    import pytest
+
+    import tests.multiprocess_jobs as jobs
+    from remote import stores
+
+    def stop(message: str) -> None:
+        raise _Stopped(message)
+
+    pytest.fail = pytest.skip = stop  # the job runner's failures, as rows here
+    heartbeat = 0 if args.jax_defaults else args.heartbeat
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        root = pathlib.Path(tmp)
+        tiny, parts = _presets(root)
+        checkpoint = _checkpoint(root, tiny) if "restore" in args.phases else None
+        s3 = stack.enter_context(stores.MotoS3()) if "s3" in args.phases else None
+        for phase in args.phases.split(","):
+            for victim in map(int, args.victims.split(",")):
+                case = root / f"{phase}_{victim}"
+                (case / "job").mkdir(parents=True)
+                preset, target = tiny, str(case / "saved")
+                if phase == "s3":
+                    remote = stack.enter_context(stores.empty_remote("s3", s3=s3))
+                    for key, value in remote.env.items():
+                        os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+                    preset, target = parts, remote.url
+                elif phase == "restore":
+                    target = checkpoint
+                started = time.time()
+                try:
+                    result = jobs.run_lost_process_job(
+                        WORKER, [preset, phase, target], case / "job", victim=victim, heartbeat_s=heartbeat,
+                        limit_s=args.limit)
+                except _Stopped as error:
+                    rows.append({"phase": phase, "victim": victim, "error": str(error)[:300]})
+                    continue
+                report = result["report"]
+                rows.append({
+                    "phase": phase,
+                    "victim": victim,
+                    "raised": (report.get("classes") or ["(none: no Python exception)"])[0],
+                    "kill_to_error_s": None if result["kill_to_error_s"] is None else round(result["kill_to_error_s"], 2),
+                    "exit": result["exit"],
+                    "kill_to_exit_s": round(result["kill_to_exit_s"], 2),
+                    "left_at_target": _left(phase, target),
+                    "case_wall_s": round(time.time() - started, 1),
+                    "message": (report.get("message") or "")[:240],
+                })
+                print(json.dumps(rows[-1]), flush=True)
+    setup = "JAX defaults (jax.distributed.initialize)" if args.jax_defaults else f"keras_hub_dist.initialize(heartbeat_timeout_s={args.heartbeat})"
+    print(f"\nsetup: {setup}; 2 processes x 4 CPU devices, loopback, mesh (1, 8)\n")
+    print("| phase | killed | survivor raised | kill -> error | exit status | kill -> exit | left at the target |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['phase']} | process {row['victim']} | runner: {row['error'][:80]} | | | | |")
+            continue
+        error_s = "-" if row["kill_to_error_s"] is None else f"{row['kill_to_error_s']:.2f} s"
+        print(f"| {row['phase']} | process {row['victim']} | {row['raised']} | {error_s} | {row['exit']} | "
+              f"{row['kill_to_exit_s']:.2f} s | {row['left_at_target']} |")
+
+
+if __name__ == "__main__":
+    main()
