@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
     validate = commands.add_parser(
         "validate",
-        help="Per-device memory report for init and load, ours vs stock KerasHub.",
+        help="Per-device memory report for init, load, fit and generate, ours vs stock KerasHub.",
         description=(
             "Measure per-device peak and final memory of initializing and loading a "
             "backbone, with keras_hub_dist and with stock KerasHub, each case in a "

@@ -1,4 +1,4 @@
-"""`keras-hub-dist validate`: per-device memory of init and load, ours vs stock.
+"""`keras-hub-dist validate`: per-device memory of init, load and the jobs, ours vs stock.
 
 Each case (ours / stock KerasHub x init / load) runs in a fresh Python process
 (`keras_hub_dist.validate.worker`) under the same `ModelParallel`, so one
@@ -19,6 +19,9 @@ Phases:
   preset, or with `checkpoint_format="huggingface"` a Hugging Face one
   (`formats.synthetic_hf`), which both loaders read through KerasHub's
   converter.
+- `fit` / `generate` (opt-in): the jobs on that preset loaded as a causal
+  LM, one train step / one greedy generate of `batch x seq`, each beside
+  `plan_memory`'s figures for the same job (`keras_hub_dist.validate.job_worker`).
 
 `run_validation` returns the JSON-ready report, summarized
 (`keras_hub_dist.validate.report`); its schema and exit codes are in
