@@ -273,6 +273,7 @@ def plan_memory(
     overrides: Mapping[str, Any] | None = None,
     stock: bool = False,
     prompt_chunk: int | None = 512,
+    sampler: str = "top_k",
     hbm_gb: float | None = None,
     alternatives: bool = True,
 ) -> MemoryPlan:
@@ -307,6 +308,8 @@ def plan_memory(
             and KerasHub's own `generate` (no prompt chunks, no cache
             layout), for comparison.
         prompt_chunk: The prompt pass's chunk (generate, ours).
+        sampler: KerasHub's sampler name (generate): `"top_k"` (a causal
+            LM's default), `"greedy"`, ...
         hbm_gb: The per-device budget in GiB; the plan says whether the job
             fits and, if not, plans the alternatives.
         alternatives: Plan alternatives when the job does not fit.
@@ -343,6 +346,8 @@ def plan_memory(
         num_layers=num_layers,
         stock=stock,
     )
+    if job == "generate" and sampler != "top_k":
+        settings["sampler"] = sampler
     plan = _plan_once(source, mesh, job, settings, optimizer, prompt_chunk, hbm_gb)
     if alternatives and plan.fits is False:
         plan = dataclasses.replace(
@@ -399,6 +404,9 @@ def _plan_once(
         lowered = programs.lower_fit(built, settings["batch_size"], settings["sequence_length"], optimizer)
         memory = programs.program_memory(lowered.compile())
     elif job == "generate":
+        if settings.get("sampler"):
+            with built.scope():
+                task.compile(sampler=settings["sampler"])
         lowered, kv_cache = programs.lower_generate(
             built, settings["batch_size"], settings["sequence_length"],
             prompt_chunk=None if settings["stock"] else prompt_chunk, shard_batch=not settings["stock"],

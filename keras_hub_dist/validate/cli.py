@@ -6,6 +6,7 @@ keras-hub-dist validate --preset /path/to/preset_dir --phases load --hbm_gb 16 \
     --json report.json --plot memory.png
 keras-hub-dist validate --preset /path/to/Qwen3-8B --phases load   # an HF checkpoint
 keras-hub-dist validate --preset llama3_8b_en --checkpoint_format huggingface
+keras-hub-dist validate --preset gemma_7b_en --num_layers 1 --mesh 1x8 --phases fit,generate --batch 8 --seq 128
 keras-hub-dist convert ./Qwen3-8B ./qwen3_8b_keras --to keras
 keras-hub-dist convert ./gemma_7b_tuned ./gemma_7b_hf --to huggingface --dtype bfloat16
 keras-hub-dist plan gemma_7b_en --mesh 1x8 --job fit --lora 8 --batch 8 --seq 2048 --hbm_gb 16
@@ -13,7 +14,8 @@ keras-hub-dist plan gemma_7b_en --mesh 1x8 --job fit --lora 8 --batch 8 --seq 20
 
 `validate` measures, per device, the peak and final memory of building
 (`init`) and loading (`load`) a backbone with keras_hub_dist and with stock
-KerasHub under the same `ModelParallel`, each case in a fresh process; see
+KerasHub under the same `ModelParallel`, and of the jobs on the loaded
+causal LM (`fit`, `generate`, opt-in), each case in a fresh process; see
 `keras_hub_dist.validate.runner` for the phases and
 `keras_hub_dist.validate.schema` for the JSON report and the exit codes.
 
@@ -59,7 +61,9 @@ def _add_validate_flags(parser: argparse.ArgumentParser) -> None:
     add(
         "--phases",
         default="init,load",
-        help="What to measure: init, load or init,load. Default: %(default)s.",
+        help="What to measure, comma-separated: init, load, and the jobs on the loaded "
+        "causal LM, fit (one train step) and generate (one greedy generate), each "
+        "beside plan_memory's figures for the same job. Default: %(default)s.",
     )
     add(
         "--num_layers",
@@ -145,6 +149,22 @@ def _add_validate_flags(parser: argparse.ArgumentParser) -> None:
         "model.quantize(MODE) (its failure is reported). --dtype stays the float "
         "dtype. Default: float models.",
     )
+    add("--batch", type=int, default=8, help="fit / generate: global batch. Default: %(default)s.")
+    add(
+        "--seq",
+        type=int,
+        default=128,
+        help="fit / generate: sequence length (generate: max_length, half of it the "
+        "prompt). Default: %(default)s.",
+    )
+    add("--lora", dest="lora_rank", type=int, default=None, metavar="RANK",
+        help="fit with LoRA of this rank (ours and stock). Default: a full fine-tune.")
+    add("--remat", default=None, metavar="MODE",
+        help="fit: keras.RematScope mode for ours (full, activations, larger_than, "
+        "list_of_layers). Default: none.")
+    add("--prompt_chunk", "--prompt-chunk", type=int, default=512,
+        help="generate: ours' prompt pass chunk (load_sharded_preset's prompt_chunk). "
+        "Default: %(default)s.")
     add("--quiet", action="store_true", help="No progress lines, only the table.")
 
 
@@ -158,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
     validate = commands.add_parser(
         "validate",
-        help="Per-device memory report for init and load, ours vs stock KerasHub.",
+        help="Per-device memory report for init, load, fit and generate, ours vs stock KerasHub.",
         description=(
             "Measure per-device peak and final memory of initializing and loading a "
             "backbone, with keras_hub_dist and with stock KerasHub, each case in a "
@@ -258,6 +278,11 @@ def options_from_args(args: argparse.Namespace) -> ValidateOptions:
         preset_cache=args.preset_cache,
         checkpoint_format=args.checkpoint_format,
         quantize=args.quantize,
+        batch=args.batch,
+        seq=args.seq,
+        lora_rank=args.lora_rank,
+        remat=args.remat,
+        prompt_chunk=args.prompt_chunk,
     )
 
 

@@ -31,6 +31,8 @@ from typing import Any
 __all__ = [
     "CASES",
     "CHECKPOINT_FORMATS",
+    "DEFAULT_PHASES",
+    "JOB_PHASES",
     "PHASES",
     "QUANTIZE_MODES",
     "ValidateOptions",
@@ -38,10 +40,17 @@ __all__ = [
     "parse_overrides",
 ]
 
-# What is measured (`init`: random initialization, `load`: a preset), and by
-# whom (`ours`: keras_hub_dist, `stock`: plain KerasHub), in report order.
-PHASES = ("init", "load")
+# What is measured (`init`: random initialization, `load`: a preset; the
+# jobs on the loaded causal LM, `fit`: one train step, `generate`: one
+# generate), and by whom (`ours`: keras_hub_dist, `stock`: plain KerasHub),
+# in report order. The jobs are opt-in: the default stays init and load.
+PHASES = ("init", "load", "fit", "generate")
+DEFAULT_PHASES = ("init", "load")
+JOB_PHASES = ("fit", "generate")
 CASES = ("ours", "stock")
+# `--remat`: `keras.RematScope`'s modes (`jobs.memory_plan.REMAT_MODES`, not
+# imported: no Keras here; tests/validate/test_validate_jobs.py compares).
+REMAT_MODES = ("full", "activations", "larger_than", "list_of_layers")
 # The formats of the synthetic checkpoint the load phase writes for a named
 # architecture (`--checkpoint_format`): a KerasHub preset
 # (`formats.synthetic`) or a Hugging Face one (`formats.synthetic_hf`).
@@ -61,7 +70,8 @@ class ValidateOptions:
             (Transformers `config.json` + safetensors).
         mesh: `(batch, model)` mesh shape; default `(1, devices)`.
         dtype: Weight dtype (e.g. "bfloat16"); default the preset's own.
-        phases: Any of "init", "load".
+        phases: Any of "init", "load", "fit", "generate" (default init and
+            load).
         num_layers: Override of the number of transformer layers.
         overrides: Further backbone config overrides (named architectures).
         baseline: Also measure stock KerasHub.
@@ -80,13 +90,23 @@ class ValidateOptions:
         quantize: `"int8"` / `"int4"`: ours loads (and builds) the model
             quantized (`quantize=`); stock loads (builds) it under the same
             distribution, then calls `model.quantize(mode)`.
+        batch: The job phases' global batch (`fit`: one step's rows,
+            `generate`: its prompts); the mesh's data axis must divide it.
+        seq: The job phases' sequence length (`generate`: `max_length`, the
+            first half of each row the prompt).
+        lora_rank: `fit` with LoRA of this rank on the projections PEFT
+            adapts (`keras_hub_dist.enable_lora`, ours and stock); default a
+            full fine-tune.
+        remat: A `keras.RematScope` mode for ours' `fit` (and its plan).
+        prompt_chunk: Ours' `generate` prompt pass chunk
+            (`load_sharded_preset(prompt_chunk=)`).
         python: Interpreter of the case processes.
     """
 
     preset: str = "gemma_7b_en"
     mesh: tuple[int, int] | None = None
     dtype: str | None = None
-    phases: tuple[str, ...] = PHASES
+    phases: tuple[str, ...] = DEFAULT_PHASES
     num_layers: int | None = None
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     baseline: bool = True
@@ -97,6 +117,11 @@ class ValidateOptions:
     preset_cache: str | None = None
     checkpoint_format: str = "keras"
     quantize: str | None = None
+    batch: int = 8
+    seq: int = 128
+    lora_rank: int | None = None
+    remat: str | None = None
+    prompt_chunk: int = 512
     python: str = sys.executable
 
     @classmethod
@@ -113,7 +138,7 @@ class ValidateOptions:
         Args:
             mesh: `--mesh`, e.g. `"1x8"` (see `parse_mesh`); None for the
                 default.
-            phases: `--phases`, e.g. `"init,load"`.
+            phases: `--phases`, e.g. `"init,load"` or `"fit,generate"`.
             override: The repeated `--override KEY=VALUE` values.
             **values: The other fields of `ValidateOptions`, as they are.
 
@@ -136,7 +161,7 @@ class ValidateOptions:
         if not phases or bad:
             raise ValueError(
                 f"Expected phases among {PHASES}. Received: phases={phases}. "
-                "Use e.g. --phases init,load."
+                "Use e.g. --phases init,load or --phases fit,generate."
             )
         # Report order, whatever order the flag gave.
         self.phases = tuple(p for p in PHASES if p in phases)
@@ -168,6 +193,41 @@ class ValidateOptions:
         if self.interval_ms <= 0:
             raise ValueError(
                 f"Expected interval_ms > 0. Received: interval_ms={self.interval_ms}."
+            )
+        self._check_jobs()
+
+    def _check_jobs(self) -> None:
+        """The job phases' flags: positive sizes, a known remat mode, a batch
+        the mesh's data axis divides; LoRA / remat only with `fit`."""
+        for flag, value, least in (
+            ("batch", self.batch, 1), ("seq", self.seq, 2), ("prompt_chunk", self.prompt_chunk, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Expected --{flag} >= {least}. Received: --{flag} {value!r}.")
+        if self.lora_rank is not None and (
+            isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1
+        ):
+            raise ValueError(
+                f"Expected --lora RANK >= 1 (or no --lora for a full fine-tune). "
+                f"Received: --lora {self.lora_rank!r}."
+            )
+        if self.remat is not None and self.remat not in REMAT_MODES:
+            raise ValueError(
+                f"Unknown --remat mode. Expected one of {list(REMAT_MODES)} "
+                f"(keras.RematScope's modes). Received: --remat {self.remat!r}."
+            )
+        if (self.lora_rank is not None or self.remat is not None) and "fit" not in self.phases:
+            raise ValueError(
+                "--lora and --remat apply to the fit phase. Expected --phases with fit "
+                f"(e.g. --phases fit,generate). Received: --phases {','.join(self.phases)}."
+            )
+        data = self.mesh_shape[0]
+        if any(p in JOB_PHASES for p in self.phases) and self.batch % data:
+            works = list(range(data, 4 * data + 1, data))
+            raise ValueError(
+                f"The mesh's data axis (batch={data}) splits the batch of the job "
+                f"phases. Expected a --batch it divides, e.g. {works}. Received: "
+                f"--batch {self.batch} on --mesh {self.mesh_shape[0]}x{self.mesh_shape[1]}."
             )
 
     @property

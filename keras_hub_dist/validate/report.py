@@ -24,10 +24,12 @@ from typing import Any
 
 from keras_hub_dist.plan.sizes import format_bytes
 from keras_hub_dist.validate.options import ValidateOptions
+from keras_hub_dist.validate.job_report import job_comparison, job_lines, plan_mismatches
 from keras_hub_dist.validate.schema import (
     EXIT_CASE_FAILED,
     EXIT_OK,
     EXIT_OVER_BUDGET,
+    EXIT_PLAN_MISMATCH,
     check_report,
 )
 
@@ -104,6 +106,7 @@ def _comparison(report: Mapping[str, Any], phase: str) -> dict[str, Any]:
         row["stock_host_peak_growth"], row["ours_host_peak_growth"]
     )
     row["stock_over_ours_wall"] = _ratio(row["stock_wall_s"], row["ours_wall_s"])
+    row.update(job_comparison(ours, stock))
     return row
 
 
@@ -144,12 +147,19 @@ def summarize(report: dict[str, Any], options: ValidateOptions) -> None:
                         }
                     )
     report["over_budget"] = over
+    mismatches = plan_mismatches(ok_cases)
+    if mismatches or any("plan_mismatches" in c for c in ok_cases):
+        report["plan_mismatches"] = mismatches
     # Only our own cases fail the run: stock over budget is the problem this
-    # package solves, so it is reported, not failed on.
+    # package solves, so it is reported, not failed on. A plan that differs
+    # from the measured program (either case: both are this package's plans)
+    # is a bug of `plan_memory`.
     if any(o["case"] == "ours" for o in over):
         report["exit_code"] = EXIT_OVER_BUDGET
     elif any(c["case"] == "ours" and not c["ok"] for c in report["cases"]):
         report["exit_code"] = EXIT_CASE_FAILED
+    elif mismatches:
+        report["exit_code"] = EXIT_PLAN_MISMATCH
     else:
         report["exit_code"] = EXIT_OK
 
@@ -311,6 +321,7 @@ def _phase_lines(report: Mapping[str, Any], phase: str, max_device_rows: int) ->
             if stock else ""
         )
     )
+    out.extend(job_lines(ours, stock, cmp))
     return out
 
 

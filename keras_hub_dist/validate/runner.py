@@ -1,4 +1,4 @@
-"""`keras-hub-dist validate`: per-device memory of init and load, ours vs stock.
+"""`keras-hub-dist validate`: per-device memory of init, load and the jobs, ours vs stock.
 
 Each case (ours / stock KerasHub x init / load) runs in a fresh Python process
 (`keras_hub_dist.validate.worker`) under the same `ModelParallel`, so one
@@ -19,6 +19,9 @@ Phases:
   preset, or with `checkpoint_format="huggingface"` a Hugging Face one
   (`formats.synthetic_hf`), which both loaders read through KerasHub's
   converter.
+- `fit` / `generate` (opt-in): the jobs on that preset loaded as a causal
+  LM, one train step / one greedy generate of `batch x seq`, each beside
+  `plan_memory`'s figures for the same job (`keras_hub_dist.validate.job_worker`).
 
 `run_validation` returns the JSON-ready report, summarized
 (`keras_hub_dist.validate.report`); its schema and exit codes are in
@@ -52,7 +55,7 @@ from typing import Any
 
 from keras_hub_dist.plan.presets import CONFIG_FILE, is_preset_dir, read_json, resolve
 from keras_hub_dist.plan.sizes import format_bytes
-from keras_hub_dist.validate.options import CASES, ValidateOptions
+from keras_hub_dist.validate.options import CASES, JOB_PHASES, ValidateOptions
 from keras_hub_dist.validate.report import summarize
 from keras_hub_dist.validate.schema import SCHEMA_VERSION
 
@@ -106,8 +109,10 @@ def _run_worker(
     start = time.perf_counter()
     with open(log_path, "wb") as log:
         try:
+            # The job phases run in their own worker module (worker.py is full).
+            module = "job_worker" if spec.get("phase") in JOB_PHASES else "worker"
             proc = subprocess.run(
-                [options.python, "-m", "keras_hub_dist.validate.worker", spec_path, result_path],
+                [options.python, "-m", f"keras_hub_dist.validate.{module}", spec_path, result_path],
                 env=dict(env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -195,6 +200,7 @@ def _new_report(options: ValidateOptions) -> dict[str, Any]:
             "interval_ms": options.interval_ms,
             "checkpoint_format": options.checkpoint_format,
             "quantize": options.quantize,
+            **_job_options(options),
         },
         "model": None,
         "environment": None,
@@ -202,6 +208,20 @@ def _new_report(options: ValidateOptions) -> dict[str, Any]:
         "budget_bytes": None,
         "budget_source": None,
         "cases": [],
+    }
+
+
+def _job_options(options: ValidateOptions) -> dict[str, Any]:
+    """The job phases' settings (in the report and the specs), or none
+    without a job phase: a report of init / load only is as it was."""
+    if not any(p in JOB_PHASES for p in options.phases):
+        return {}
+    return {
+        "batch": options.batch,
+        "seq": options.seq,
+        "lora_rank": options.lora_rank,
+        "remat": options.remat,
+        "prompt_chunk": options.prompt_chunk,
     }
 
 
@@ -238,7 +258,7 @@ def run_validation(options: ValidateOptions, on_event: Event | None = None) -> d
             "quantize": options.quantize,
         }
         preset_dir = None
-        if "load" in options.phases:
+        if any(p in ("load", *JOB_PHASES) for p in options.phases):
             preset_dir, synthetic = _prepare_preset(options, base_spec, workdir, env, say)
             report["synthetic_preset"] = synthetic
         cases = CASES if options.baseline else ("ours",)
@@ -247,8 +267,10 @@ def run_validation(options: ValidateOptions, on_event: Event | None = None) -> d
             step = f"[{index}/{len(plan)}] {phase} {case}"
             say(f"{step}: running in a fresh process ...")
             spec = {**base_spec, "task": "measure", "case": case, "phase": phase}
-            if phase == "load":
+            if phase != "init":
                 spec["preset_dir"] = preset_dir
+            if phase in JOB_PHASES:
+                spec.update(_job_options(options))
             result = _run_worker(spec, workdir, f"{phase}-{case}", env, options)
             result.update(phase=phase, case=case)
             result.setdefault("error", None)
@@ -257,6 +279,7 @@ def run_validation(options: ValidateOptions, on_event: Event | None = None) -> d
                 say(
                     f"{step}: done in {result['wall_s']:.1f} s, max device peak "
                     f"{format_bytes(max(result['peak_per_device'].values()))}"
+                    + _plan_note(result)
                 )
             else:
                 say(f"{step}: FAILED: {result['error']}")
@@ -264,6 +287,15 @@ def run_validation(options: ValidateOptions, on_event: Event | None = None) -> d
         shutil.rmtree(workdir, ignore_errors=True)
     summarize(report, options)
     return report
+
+
+def _plan_note(result: Mapping[str, Any]) -> str:
+    """`, plan = measured` / `, PLAN MISMATCH in ...` for a job case, else ``."""
+    if "plan_mismatches" not in result:
+        return ""
+    if not result["plan_mismatches"]:
+        return ", XLA's figures = plan_memory's"
+    return f", PLAN MISMATCH in {', '.join(result['plan_mismatches'])}"
 
 
 def _prepare_preset(

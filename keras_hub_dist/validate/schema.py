@@ -1,18 +1,21 @@
 """The JSON report of `keras-hub-dist validate`: its schema and exit codes.
 
-The report (`--json`) has `schema_version` 1; `REPORT_SCHEMA` is its JSON
+The report (`--json`) has `schema_version` 2 (1: before the job phases;
+such reports still validate); `REPORT_SCHEMA` is its JSON
 Schema (draft 7) and `check_report` validates a report against it with the
 `jsonschema` library. Byte figures are ints, device ids are strings of
 `device.id`:
 
 ```
 {
-  "schema_version": 1,
+  "schema_version": 2,
   "tool": "keras-hub-dist validate", "created": ISO-8601 time,
   "options": {preset, mesh: [batch, model], dtype, phases, num_layers,
               overrides, baseline, hbm_gb, devices, interval_ms,
               checkpoint_format: "keras" | "huggingface" (optional),
-              quantize: "int8" | "int4" | null (optional)},
+              quantize: "int8" | "int4" | null (optional),
+              # with a job phase only:
+              batch, seq, lora_rank, remat, prompt_chunk},
   "model": {backbone_class, parameter_count, model_bytes, weight_dtypes,
             architecture: {"kind": "named", name, handle, full_parameter_count}
                         | {"kind": "preset_dir", path}
@@ -24,7 +27,8 @@ Schema (draft 7) and `check_report` validates a report against it with the
                        config_differences: [str] (optional)} | null,
   "budget_bytes": int | null, "budget_source": "hbm_gb" | "bytes_limit" | null,
   "cases": [{
-      "phase": "init" | "load", "case": "ours" | "stock", "ok": bool,
+      "phase": "init" | "load" | "fit" | "generate",
+      "case": "ours" | "stock", "ok": bool,
       "error": str | null, "returncode": int, "process_wall_s": float,
       # only when ok:
       "wall_s", "source": "memory_stats" | "live_arrays",
@@ -33,13 +37,27 @@ Schema (draft 7) and `check_report` validates a report against it with the
       "host_start_rss", "host_peak_rss", "host_final_rss",
       "timeline": {"t": [s], "bytes": {device: [live + running temps]},
                    "live_bytes": {device: [live arrays]}, "host_rss": [bytes]},
+      # fit / generate cases, when ok:
+      "job": {batch, seq, lora_rank, remat, optimizer, sampler, prompt_chunk},
+      "program": {name, argument_bytes, output_bytes, alias_bytes, temp_bytes,
+                  total_bytes} | null (XLA's analysis of the program run),
+      "plan": {argument_bytes, output_bytes, alias_bytes, temp_bytes,
+               total_bytes, weights_bytes, optimizer_bytes, lora_bytes,
+               kv_cache_bytes, compiler} (plan_memory's, same job),
+      "plan_mismatches": [field] (empty: the plan equals the program),
       ...}],
   "comparisons": [{phase, ours_peak_max, stock_peak_max, ours_final_max,
                    stock_final_max, ours_peak_over_final, stock_peak_over_final,
                    stock_over_ours_peak, ours_host_peak_growth,
                    stock_host_peak_growth, stock_over_ours_host_growth,
-                   ours_wall_s, stock_wall_s, stock_over_ours_wall}],
+                   ours_wall_s, stock_wall_s, stock_over_ours_wall,
+                   # job phases: {ours,stock}_program_temp_bytes,
+                   # {ours,stock}_program_total_bytes,
+                   # {ours,stock}_plan_total_bytes,
+                   # stock_over_ours_program_temp}],
   "over_budget": [{phase, case, device, peak_bytes, budget_bytes}],
+  "plan_mismatches": [{phase, case, field, plan_bytes, measured_bytes}]
+                     (with a job phase only),
   "exit_code": int
 }
 ```
@@ -50,7 +68,10 @@ the worst device's peak divided by that device's final bytes.
 Exit code (`exit_code`): `EXIT_OK` (0) ok; `EXIT_OVER_BUDGET` (1) a device's
 peak in one of *our* cases exceeds the budget (stock exceeding it is
 reported, not failed on: it is the problem this package solves);
-`EXIT_CASE_FAILED` (3) one of our cases failed.
+`EXIT_CASE_FAILED` (3) one of our cases failed; `EXIT_PLAN_MISMATCH` (4)
+`plan_memory`'s XLA figures differ from the program a job case (ours or
+stock: both plans are this package's) compiled. The budget applies to the
+job phases' peaks as to init's and load's.
 
 Example:
 
@@ -67,12 +88,13 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from keras_hub_dist.validate.options import CASES, CHECKPOINT_FORMATS, PHASES
+from keras_hub_dist.validate.options import CASES, CHECKPOINT_FORMATS, JOB_PHASES, PHASES
 
 __all__ = [
     "EXIT_CASE_FAILED",
     "EXIT_OK",
     "EXIT_OVER_BUDGET",
+    "EXIT_PLAN_MISMATCH",
     "REPORT_SCHEMA",
     "SCHEMA_VERSION",
     "check_report",
@@ -81,7 +103,10 @@ __all__ = [
 EXIT_OK = 0
 EXIT_OVER_BUDGET = 1
 EXIT_CASE_FAILED = 3
-SCHEMA_VERSION = 1
+EXIT_PLAN_MISMATCH = 4
+SCHEMA_VERSION = 2
+# Reports of every version still validate (1: init and load only).
+SCHEMA_VERSIONS = (1, 2)
 
 # `check_report` lists at most this many problems (a wrong type repeated per
 # device and sample would otherwise bury the first, telling one).
@@ -91,6 +116,26 @@ _INT = {"type": "integer", "minimum": 0}
 _NUM_OR_NULL = {"type": ["number", "null"]}
 _PER_DEVICE = {"type": "object", "additionalProperties": _INT}
 _FORMAT = {"type": "string", "enum": list(CHECKPOINT_FORMATS)}
+_INT_OR_NULL = {"type": ["integer", "null"], "minimum": 0}
+_XLA_FIELDS = ["argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "total_bytes"]
+# XLA's memory analysis of a job's program, measured (`program`) or planned.
+_PROGRAM = {
+    "type": "object",
+    "required": _XLA_FIELDS,
+    "properties": {"name": {"type": "string"}, **{f: _INT for f in _XLA_FIELDS}},
+}
+_PLAN = {
+    "type": "object",
+    "required": [*_XLA_FIELDS, "weights_bytes", "optimizer_bytes", "lora_bytes", "compiler"],
+    "properties": {
+        **{f: _INT for f in _XLA_FIELDS},
+        "weights_bytes": _INT,
+        "optimizer_bytes": _INT,
+        "lora_bytes": _INT,
+        "kv_cache_bytes": _INT_OR_NULL,
+        "compiler": {"type": "string"},
+    },
+}
 # What the measured backbone was resolved from (`worker.resolve_architecture`).
 _ARCHITECTURE = {
     "type": "object",
@@ -123,7 +168,7 @@ REPORT_SCHEMA: dict[str, Any] = {
         "comparisons", "over_budget", "exit_code",
     ],
     "properties": {
-        "schema_version": {"type": "integer", "enum": [SCHEMA_VERSION]},
+        "schema_version": {"type": "integer", "enum": list(SCHEMA_VERSIONS)},
         "tool": {"type": "string"},
         "created": {"type": "string"},
         "options": {
@@ -147,6 +192,12 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "checkpoint_format": _FORMAT,
                 # Optional: null (float models) where the flag is absent.
                 "quantize": {"type": ["string", "null"], "enum": ["int8", "int4", None]},
+                # Optional: present with a job phase.
+                "batch": {"type": "integer", "minimum": 1},
+                "seq": {"type": "integer", "minimum": 1},
+                "lora_rank": {"type": ["integer", "null"], "minimum": 1},
+                "remat": {"type": ["string", "null"]},
+                "prompt_chunk": {"type": "integer", "minimum": 1},
             },
         },
         "model": {
@@ -219,6 +270,10 @@ REPORT_SCHEMA: dict[str, Any] = {
                             "host_rss": {"type": "array", "items": _INT},
                         },
                     },
+                    "job": {"type": "object", "required": ["batch", "seq"]},
+                    "program": {"anyOf": [_PROGRAM, {"type": "null"}]},
+                    "plan": _PLAN,
+                    "plan_mismatches": {"type": "array", "items": {"type": "string"}},
                 },
                 # A failed case has no figures; a measured one has them all.
                 "if": {"properties": {"ok": {"const": True}}},
@@ -230,6 +285,19 @@ REPORT_SCHEMA: dict[str, Any] = {
                         "host_final_rss", "timeline",
                     ]
                 },
+                # A measured job case also has its program and its plan.
+                "allOf": [
+                    {
+                        "if": {
+                            "properties": {
+                                "ok": {"const": True},
+                                "phase": {"enum": list(JOB_PHASES)},
+                            },
+                            "required": ["ok", "phase"],
+                        },
+                        "then": {"required": ["job", "program", "plan", "plan_mismatches"]},
+                    }
+                ],
             },
         },
         "comparisons": {
@@ -261,9 +329,23 @@ REPORT_SCHEMA: dict[str, Any] = {
                 },
             },
         },
+        "plan_mismatches": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["phase", "case", "field", "plan_bytes", "measured_bytes"],
+                "properties": {
+                    "phase": {"type": "string", "enum": list(JOB_PHASES)},
+                    "case": {"type": "string", "enum": list(CASES)},
+                    "field": {"type": "string"},
+                    "plan_bytes": _INT_OR_NULL,
+                    "measured_bytes": _INT_OR_NULL,
+                },
+            },
+        },
         "exit_code": {
             "type": "integer",
-            "enum": [EXIT_OK, EXIT_OVER_BUDGET, EXIT_CASE_FAILED],
+            "enum": [EXIT_OK, EXIT_OVER_BUDGET, EXIT_CASE_FAILED, EXIT_PLAN_MISMATCH],
         },
     },
 }

@@ -568,7 +568,7 @@ def run_task(spec: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, run: Any = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2:
         sys.stderr.write(
@@ -579,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
     try:
-        result = run_task(spec)
+        result = (run or run_task)(spec)
         code = 0
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         result = {

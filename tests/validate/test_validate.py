@@ -226,7 +226,7 @@ def test_schema_accepts_report_and_round_trips(tmp_path):
     "mutate, message",
     [
         (lambda r: r.pop("cases"), "missing key 'cases'"),
-        (lambda r: r.update(schema_version=2), "report.schema_version: expected one of [1]"),
+        (lambda r: r.update(schema_version=3), "report.schema_version: expected one of [1, 2]"),
         (lambda r: r["cases"][0].pop("peak_per_device"), "report.cases[0]: missing key 'peak_per_device'"),
         (lambda r: r["cases"][0]["final_per_device"].update({"0": -1}), "expected >= 0"),
         (lambda r: r["cases"][1].update(case="mine"), "report.cases[1].case: expected one of"),
