@@ -16,50 +16,17 @@ import jax
 import keras
 
 __all__ = [
-    "builtin_preset_names",
-    "CAN_WATCH_COMPILATIONS",
-    "CAN_WATCH_EXECUTIONS",
-    "computation_name",
-    "compute_fans",
-    "context_mesh",
-    "creating_variables_without_values",
-    "deferred_variables",
-    "distribution_layout_map",
-    "draw_seed",
-    "einsum_reduction",
-    "executed_program",
-    "forget_deferred_variables",
-    "H5IOStore",
-    "saveable_being_saved",
-    "host_array",
-    "in_stateless_scope",
-    "initialize_pending",
-    "is_pending",
-    "JAX_VERSION",
-    "KERAS_VERSION",
-    "materialize_deferred_variable",
-    "pending_initializer",
-    "pending_layout",
-    "preset_file",
-    "preset_has_file",
-    "preset_file_names",
-    "leaf_layers",
-    "own_dtype_policies",
-    "quantization_modes",
-    "quantize_layer_structure",
-    "require_jax_backend",
-    "save_preset_config",
-    "save_preset_metadata",
-    "safetensor_loader_class",
-    "set_pending_initializer",
-    "set_remat_mode",
-    "swap_compile_function",
-    "swap_execute_method",
-    "transformers_converter",
-    "unfilled_weights_store",
-    "variable_array",
-    "variables_size_in_bytes",
-    "walk_saved_variables",
+    "builtin_preset_names", "CAN_WATCH_COMPILATIONS", "CAN_WATCH_EXECUTIONS", "computation_name",
+    "compute_fans", "context_mesh", "creating_variables_without_values", "deferred_variables",
+    "distribution_layout_map", "draw_seed", "einsum_reduction", "executed_program",
+    "forget_deferred_variables", "H5IOStore", "saveable_being_saved", "host_array",
+    "in_stateless_scope", "initialize_pending", "is_pending", "JAX_VERSION", "KERAS_VERSION",
+    "materialize_deferred_variable", "pending_initializer", "pending_layout", "preset_file",
+    "preset_has_file", "preset_file_names", "leaf_layers", "own_dtype_policies",
+    "quantization_modes", "quantize_layer_structure", "require_jax_backend", "save_preset_config",
+    "save_preset_metadata", "safetensor_loader_class", "set_pending_initializer", "set_remat_mode",
+    "swap_compile_function", "swap_execute_method", "transformers_converter",
+    "unfilled_weights_store", "variable_array", "variables_size_in_bytes", "walk_saved_variables",
 ]
 
 
@@ -603,14 +570,14 @@ def quantize_layer_structure(layer: Any, mode: str, float_shape: tuple[int, ...]
     return config
 
 
-# `Operation.__init__` stores the active `RematScope` as `_remat_mode` (a
-# `RematMode`), which `__call__` applies: a built model gets it set here.
+# `Operation.__init__` stores the active `RematScope` as `_remat_mode`, which
+# `__call__` applies: layers of a built model get it set here (None: off).
 from keras.src.backend.common import remat as _remat  # noqa: E402
 
 
-def set_remat_mode(model: Any, scope: "keras.RematScope | None") -> None:
-    """Gives `model` and its layers `scope`'s mode, as if built inside it."""
+def set_remat_mode(layers: Any, scope: "keras.RematScope | None") -> None:
+    """Gives each of `layers` `scope`'s mode, as if built inside it."""
     on = scope is not None and scope.mode is not None
     mode = _remat.RematMode(scope.mode, scope.output_size_threshold, list(scope.layer_names)) if on else None
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in layers:
         layer._remat_mode = mode
