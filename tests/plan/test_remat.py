@@ -17,6 +17,7 @@ import keras_hub_dist
 from keras_hub_dist.jobs import programs
 from keras_hub_dist.jobs.abstract_job import abstract_job
 from keras_hub_dist.plan.build import build_without_values, remat_scope
+from keras_hub_dist.plan.remat import apply_remat
 
 TINY_MISTRAL = dict(
     vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
@@ -138,19 +139,23 @@ def test_causal_lm_fit_with_remat_matches_without(tmp_path):
     preset = keras_hub_dist.write_synthetic_preset(
         str(tmp_path / "gemma"), keras_hub.models.GemmaBackbone, tokenizer=True, **TINY_GEMMA
     )
+    lm = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), task="causal_lm", remat="full")
+    lm.preprocessor = None
+    initial = lm.get_weights()
     rng = np.random.default_rng(0)
     x = {"token_ids": rng.integers(0, 64, (8, 12)).astype("int32"), "padding_mask": np.ones((8, 12), bool)}
     y = rng.integers(0, 64, (8, 12)).astype("int32")
-    losses, weights = [], []  # one SGD step: equal weights, equal gradients
-    for remat in (None, "full"):
-        lm = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), task="causal_lm", remat=remat)
-        lm.preprocessor = None
-        # SGD: the update is the gradient itself (Adam's first step is about
-        # lr * sign(g), which turns float noise in a ~0 gradient into lr).
+    losses, weights = [], []
+    for remat in ("full", None):
+        apply_remat(lm, remat)
+        lm.set_weights(initial)
+        # One SGD step: the update is the gradient itself (Adam's first step
+        # is about lr * sign(g), which turns float noise in a ~0 gradient
+        # into lr).
         lm.compile(optimizer=keras.optimizers.SGD(0.1))
-        losses.append(lm.fit(x, y, sample_weight=x["padding_mask"], batch_size=8, epochs=1, verbose=0).history["loss"])
-        weights.append([np.asarray(w) for w in lm.get_weights()])
-        keras.distribution.set_distribution(None)
+        losses.append(lm.fit(x, y, sample_weight=x["padding_mask"], batch_size=8, verbose=0).history["loss"])
+        weights.append(lm.get_weights())
+    keras.distribution.set_distribution(None)
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
     for a, b in zip(*weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
