@@ -7,18 +7,23 @@ never to the token embedding, the final norm or the task's head:
 
 - `None`: off (Keras's default);
 - `"full"`: each decoder block's call is rematerialized as a whole
-  (`jax.checkpoint` of the block, MaxText's per-layer remat): the backward
-  pass keeps each block's input and recomputes the block from it;
-- `"larger_than"`, `"activations"`, `"list_of_layers"`: Keras's own rule
-  (`keras.RematScope`), applied to the decoder blocks and the layers inside
-  them only;
+  (MaxText's per-layer remat): the backward pass keeps each block's input
+  and recomputes the block from it;
+- `"larger_than"`, `"list_of_layers"`: Keras's rule (`keras.RematScope`) on
+  the decoder blocks and the layers inside them (the outermost layer whose
+  output holds more than the threshold's elements, the layers named);
+- `"activations"`: Keras's rule on the layers inside the decoder blocks
+  (each layer's `activation` function);
 - a `keras.RematScope`: its mode (and threshold, layer names) as above.
 
 Keras's `RematScope` entered around a whole build also rematerializes the
 embedding, and `jax.checkpoint` then turns `ReversibleEmbedding`'s
 `reverse=True` into a tracer: a causal LM's `fit` raises
 `TracerBoolConversionError` (Keras 3.15). A block checkpointed here keeps its
-non-array arguments (Python flags, indices, `None`) static.
+non-array arguments (Python flags, indices, `None`) static, and is
+recomputed in the backward pass only once the cotangent of its output exists
+(`_recomputed_after_cotangent`): XLA:CPU merges `jax.checkpoint`'s
+recomputation into the forward pass. Measured: docs/plan.md#rematerialization.
 
 Example:
 
@@ -51,6 +56,7 @@ __all__ = ["REMAT_MODES", "apply_remat", "decoder_blocks", "remat_scope"]
 
 # `keras.RematScope`'s modes (Keras 3.15); `None` is "off".
 REMAT_MODES = ("full", "activations", "larger_than", "list_of_layers")
+
 
 def remat_scope(remat: Any) -> keras.RematScope | None:
     """The `keras.RematScope` that `remat=` asks for, checked; `None`: off.
