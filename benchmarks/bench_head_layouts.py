@@ -22,9 +22,11 @@ Measured (2026-11-27, XLA:CPU, jax 0.10.2, Keras 3.15.1, mesh 1x8):
 
     fit 8 x 512 (Adam)         stock 831 MiB  ours 831  heads 1,519 (1.83x)  heads+norms 887 (1.07x)
     generate 8 x 2048 (greedy) stock 1,118 MiB, the same in all four
-    remat, Gemma-7B width, per layer: None 868 MiB, full 676 (0.78x),
+    remat, Gemma-7B width, per layer, with Keras's RematScope around the
+    whole build (before plan/remat.py): None 868 MiB, full 676 (0.78x),
     larger_than 676 (0.78x), activations 868 (1.00x); --optimizer sgd: the
-    same figures (Adam's slots add no temporaries)
+    same figures (Adam's slots add no temporaries). remat= now applies to
+    the decoder blocks only: benchmarks/bench_remat.py (full: 0.03x)
 """
 
 from __future__ import annotations

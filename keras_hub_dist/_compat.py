@@ -569,16 +569,16 @@ def quantize_layer_structure(layer: Any, mode: str, float_shape: tuple[int, ...]
     return config
 
 
-# `Operation.__init__` stores the active `RematScope` as `_remat_mode` (a
-# `RematMode`), which `__call__` applies: a built model gets it set here.
+# `Operation.__init__` stores the active `RematScope` as `_remat_mode`, which
+# `__call__` applies: layers of a built model get it set here (None: off).
 from keras.src.backend.common import remat as _remat  # noqa: E402
 
 
-def set_remat_mode(model: Any, scope: "keras.RematScope | None") -> None:
-    """Gives `model` and its layers `scope`'s mode, as if built inside it."""
+def set_remat_mode(layers: Any, scope: "keras.RematScope | None") -> None:
+    """Gives each of `layers` `scope`'s mode, as if built inside it."""
     on = scope is not None and scope.mode is not None
     mode = _remat.RematMode(scope.mode, scope.output_size_threshold, list(scope.layer_names)) if on else None
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in layers:
         layer._remat_mode = mode
 
 

@@ -46,7 +46,7 @@ from keras_hub_dist.formats.huggingface import checksum_metadata
 from keras_hub_dist.formats.safetensors_files import read_header
 from keras_hub_dist.formats.transforms import Transpose, reshape
 from keras_hub_dist.plan import lora_layers
-from keras_hub_dist.plan.build import remat_scope
+from keras_hub_dist.plan.remat import apply_remat, remat_scope
 from keras_hub_dist.save.lora_map import LoraModule, lora_modules
 
 __all__ = ["ALL_PROJECTIONS", "enable_lora", "enable_lora_without_values", "read_adapter"]
@@ -81,10 +81,9 @@ def enable_lora(
         target_modules: Transformers module names, e.g. `("q_proj", "v_proj")`.
         remat: Rematerialization for training the adapters: `None` leaves
             the model's as it is (as built: off unless loaded with
-            `remat=`); a `keras.RematScope` mode (`"full"`, ...) or scope
-            is set on the backbone and every layer in it, as if it had been
-            built inside that scope (Keras reads a layer's mode when it is
-            called, so the built model takes it).
+            `remat=`); a `keras.RematScope` mode (`"full"`: each decoder
+            block rematerialized, ...) or scope replaces it
+            (`plan.remat.apply_remat`: the decoder blocks only).
 
     Returns:
         The paths of the layers LoRA was enabled on.
@@ -105,7 +104,7 @@ def enable_lora(
     backbone = getattr(model, "backbone", model)
     chosen = _chosen_layers(backbone, target_modules)
     if scope is not None:
-        _compat.set_remat_mode(backbone, scope)
+        apply_remat(backbone, scope)
     _freeze_except(backbone, chosen)
     seed = int(_processes.broadcast_string(str(random.getrandbits(31))))
     for i, layer in enumerate(chosen):

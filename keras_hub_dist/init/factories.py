@@ -28,8 +28,8 @@ Factories: `gemma_backbone` (Gemma, Gemma 2), `gemma3_backbone`,
 the text-only ones), the Gemma 4 and Qwen 3.5 factories build the text-only
 model by default: the config's vision (and audio) encoder is dropped unless
 `text_only=False` is passed. Every factory takes `remat=` (`None`, a
-`keras.RematScope` mode or scope): the backbone is built inside that scope,
-so a later `fit` rematerializes its layers' activations.
+`keras.RematScope` mode or scope): a later `fit` rematerializes the
+decoder blocks (`plan.remat`).
 
 Example:
 
@@ -241,7 +241,7 @@ def gemma_backbone(name_or_config: Any, /, **overrides: Any):
             the host one at a time (`init.quantized`); and `remat=`:
             rematerialization in training, `None` (off), a
             `keras.RematScope` mode (`"full"`, ...) or a `keras.RematScope`,
-            entered around the build (`plan.build.remat_scope`).
+            on the decoder blocks (`plan.remat.apply_remat`).
 
     Returns:
         The backbone; `backbone.token_embedding.embeddings_initializer` is a

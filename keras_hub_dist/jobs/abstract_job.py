@@ -146,7 +146,7 @@ def abstract_job(
         quantize: `"int8"` / `"int4"`: the layers Keras would quantize hold
             quantized variables, laid out as a quantized load lays them out.
         lora_rank: LoRA on the projections PEFT adapts (`enable_lora`).
-        remat: Rematerialization of every layer built (`load_sharded_preset`'s
+        remat: Rematerialization of the decoder blocks (`load_sharded_preset`'s
             `remat=`: a `keras.RematScope` mode or scope).
         task: The task, `"causal_lm"`.
 

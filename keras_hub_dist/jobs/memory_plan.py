@@ -299,7 +299,8 @@ def plan_memory(
         sequence_length: Tokens per sequence (`max_length` for generate).
         optimizer: A Keras optimizer name or instance (fit).
         lora_rank: LoRA on the projections PEFT adapts (fit; None: full).
-        remat: `keras.RematScope` mode for every layer (`"full"`, ...).
+        remat: Rematerialization of the decoder blocks (`"full"`, ...,
+            `load_sharded_preset`'s `remat=`).
         dtype: The weights' dtype policy, e.g. `"bfloat16"`.
         quantize: `"int8"` / `"int4"` weights, as `quantize=` loads them.
         num_layers: Plan a reduced depth (a quick look); default full depth.

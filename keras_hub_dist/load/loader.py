@@ -204,10 +204,10 @@ def load_sharded_preset(
         remat: Rematerialization in training (`model.fit`): `None` (off,
             Keras's default), a `keras.RematScope` mode (`"full"`,
             `"activations"`, `"larger_than"`, `"list_of_layers"`) or a
-            `keras.RematScope`. The backbone is built inside that scope, so
-            each layer recomputes its activations in the backward pass
-            instead of keeping them (`"full"`: a fit step's per-layer
-            temporaries ~0.1-0.3x, for one more forward pass).
+            `keras.RematScope`, applied to the decoder blocks only
+            (`plan.remat`: `"full"` recomputes each block in the backward
+            pass from its input, a fit step's per-layer temporaries 0.03x,
+            for one more forward pass; docs/plan.md#rematerialization).
 
     Returns:
         The backbone (or task) model, or `(model, LoadReport)` with

@@ -28,7 +28,6 @@ specs = variable_specs("gemma_2b_en")   # (VariableSpec(path, shape, dtype), ...
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -43,6 +42,7 @@ import keras
 
 from keras_hub_dist import _compat
 from keras_hub_dist.plan import presets
+from keras_hub_dist.plan.remat import REMAT_MODES, apply_remat, remat_scope
 from keras_hub_dist.plan.sizes import itemsize
 
 __all__ = [
@@ -54,10 +54,6 @@ __all__ = [
     "specs_of",
     "variable_specs",
 ]
-
-# `keras.RematScope`'s modes (Keras 3.15); `None` is "off".
-REMAT_MODES = ("full", "activations", "larger_than", "list_of_layers")
-
 
 @dataclasses.dataclass(frozen=True)
 class VariableSpec:
@@ -104,33 +100,6 @@ class _NoValue:
         )
 
 
-def remat_scope(remat: Any) -> keras.RematScope | None:
-    """The `keras.RematScope` that `remat=` asks for, checked; `None`: off.
-
-    Keras reads the active scope when each layer is constructed and
-    rematerializes that layer's call in every later train step (its
-    activations are recomputed in the backward pass instead of kept), so
-    the scope must be entered around the build (`build_without_values`).
-
-    Args:
-        remat: `None` (no rematerialization), one of `REMAT_MODES` (a scope
-            with Keras's defaults for that mode), or a `keras.RematScope`
-            (e.g. `keras.RematScope("larger_than", output_size_threshold=
-            2**20)`), used as it is.
-
-    Raises:
-        ValueError: Anything else (before any model is built).
-    """
-    if remat is None or isinstance(remat, keras.RematScope):
-        return remat
-    if isinstance(remat, str) and remat in REMAT_MODES:
-        return keras.RematScope(mode=remat)
-    raise ValueError(
-        f"Expected remat= to be one of {[None, *REMAT_MODES]} or a "
-        f"keras.RematScope. Received: remat={remat!r}."
-    )
-
-
 def build_without_values(
     cls: type, config: Mapping[str, Any], remat: Any = None
 ) -> tuple[keras.Model, list[Any]]:
@@ -144,24 +113,24 @@ def build_without_values(
     Args:
         cls: The backbone class.
         config: Its config.
-        remat: Rematerialization of every layer built (`remat_scope`):
-            `None` (off), a `keras.RematScope` mode name or a scope.
+        remat: Rematerialization of the decoder blocks in training
+            (`plan.remat.apply_remat`): `None` (off), a `keras.RematScope`
+            mode name or a scope.
 
     Returns:
         `(model, variables created)`, the variables still pending.
     """
-    scope = remat_scope(remat)
-    with contextlib.ExitStack() as stack:
-        if scope is not None:
-            stack.enter_context(scope)
-        with _compat.creating_variables_without_values() as created:
-            model = cls.from_config(dict(config))
+    remat_scope(remat)  # an unknown mode fails before anything is built
+    with _compat.creating_variables_without_values() as created:
+        model = cls.from_config(dict(config))
+    if remat is not None:
+        apply_remat(model, remat)
     return model, created
 
 
 def build_abstract(cls: type, config: Mapping[str, Any], remat: Any = None) -> keras.Model:
     """`cls.from_config(config)` whose variables raise on an eager read
-    (built under `remat`'s scope, as `build_without_values`)."""
+    (its decoder blocks rematerialized as `remat=` asks, as `build_without_values`)."""
     model, created = build_without_values(cls, config, remat)
     for variable in created:
         _compat.set_pending_initializer(variable, _NoValue(variable.path))
