@@ -1,0 +1,149 @@
+"""The Hub's pre-quantized checkpoints (FP8, compressed-tensors int4), loaded
+sharded, against their writers' own readers.
+
+The fixtures in tests/data/prequantized/ were written by the real writers
+(llmcompressor 0.14, transformers' FineGrainedFP8Config) on a tiny Llama,
+with the logits of their readers (transformers, float32, CPU); regenerate
+them with tools/make_prequantized_fixtures.py in a separate venv. The suite
+needs none of those installs.
+"""
+
+import functools
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import MESH_SHAPES
+
+from keras_hub_dist import PresetError, load_sharded_preset, save_sharded_preset
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "prequantized")
+FP8 = ("fp8_native", "ct_fp8_block", "ct_fp8_dynamic")
+INT4 = ("ct_w4a16", "ct_w4a16_asym")
+TOLERANCE = 1e-4
+
+
+def _token_ids():
+    with open(os.path.join(DATA, "token_ids.json")) as f:
+        return np.array(json.load(f), dtype=np.int32)
+
+
+def _logits(backbone):
+    ids = _token_ids()
+    hidden = backbone({"token_ids": ids, "padding_mask": np.ones_like(ids)})
+    return np.asarray(backbone.token_embedding(hidden, reverse=True), dtype=np.float32)
+
+
+@functools.cache
+def _loaded(name, mesh_shape, quantize=None):
+    return load_sharded_preset(
+        os.path.join(DATA, name), mesh=mesh_shape, dtype="float32", quantize=quantize, progress=False
+    )
+
+
+def _reference(name):
+    return np.load(os.path.join(DATA, name, "reference_logits.npy"))
+
+
+def _modes(backbone):
+    return {
+        layer.path: layer.quantization_mode
+        for layer in backbone._flatten_layers()
+        if getattr(layer, "quantization_mode", None) is not None
+    }
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
+@pytest.mark.parametrize("name", FP8 + INT4)
+def test_loads_equal_to_the_writers_reader(name, mesh_shape):
+    backbone = _loaded(name, mesh_shape)
+    logits = _logits(backbone)
+    assert logits.dtype == np.float32
+    np.testing.assert_allclose(logits, _reference(name), rtol=0, atol=TOLERANCE)
+    modes = _modes(backbone)
+    if name in INT4:
+        # Every projection in Keras's int4 layers, the checkpoint's groups of
+        # 128; lm_head (ignored by the recipe) and the embeddings in float.
+        assert len(modes) == 7 and set(modes.values()) == {"int4"}
+        layer = backbone.get_layer("transformer_layer_0")._feedforward_gate_dense
+        assert layer.dtype_policy.name == "int4/128_from_float32"
+        kernel = layer._kernel
+        assert kernel.dtype == "int8" and tuple(kernel.shape) == (256, 128)  # 4 bits a weight
+    else:
+        assert modes == {}  # dequantized into the compute dtype
+
+
+def test_fp8_into_keras_int8_equals_quantizing_the_float_load():
+    """quantize="int8": Keras's int8 of the dequantized weights, bitwise."""
+    quantized = _loaded("ct_fp8_block", (2, 4), "int8")
+    assert set(_modes(quantized).values()) == {"int8"}
+    fresh = load_sharded_preset(os.path.join(DATA, "ct_fp8_block"), mesh=(2, 4), dtype="float32", progress=False)
+    fresh.quantize("int8")
+    ours = {v.path: np.asarray(v) for v in quantized.weights}
+    stock = {v.path: np.asarray(v) for v in fresh.weights}
+    assert ours.keys() == stock.keys()
+    for path, value in stock.items():
+        assert ours[path].dtype == value.dtype and np.array_equal(ours[path], value), path
+    np.testing.assert_allclose(_logits(quantized), _reference("ct_fp8_block"), rtol=0, atol=0.15)
+
+
+def test_int4_saves_as_a_keras_quantized_preset_and_reloads_equal(tmp_path):
+    backbone = _loaded("ct_w4a16_asym", (2, 4))
+    save_sharded_preset(backbone, str(tmp_path / "preset"))
+    reloaded = load_sharded_preset(str(tmp_path / "preset"), mesh=(8, 1), dtype="float32", progress=False)
+    assert _modes(reloaded) == _modes(backbone)
+    for a, b in zip(backbone.weights, reloaded.weights):
+        assert a.path == b.path and np.array_equal(np.asarray(a), np.asarray(b)), a.path
+
+
+def _copy(tmp_path, name, edit_config=None, edit_header=None):
+    target = tmp_path / name
+    shutil.copytree(os.path.join(DATA, name), target)
+    if edit_config is not None:
+        with open(target / "config.json") as f:
+            config = json.load(f)
+        edit_config(config["quantization_config"])
+        with open(target / "config.json", "w") as f:
+            json.dump(config, f)
+    return str(target)
+
+
+def _fails(path, clean_state, match):
+    with clean_state(), pytest.raises(PresetError, match=match) as info:
+        load_sharded_preset(path, progress=False)
+    return str(info.value)
+
+
+def _group(c):
+    return c["config_groups"]["group_0"]["weights"]
+
+
+@pytest.mark.parametrize(
+    "name, edit, match",
+    [
+        ("ct_w4a16", lambda c: _group(c).update(num_bits=8), "8-bit int weights in the 'pack-quantized' format"),
+        ("ct_w4a16", lambda c: _group(c).update(num_bits=2), "2-bit int weights"),
+        ("ct_w4a16", lambda c: _group(c).update(strategy="tensor_group"), "strategy 'tensor_group'"),
+        ("ct_w4a16", lambda c: c.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config"),
+        ("fp8_native", lambda c: c.update(activation_scheme="static"), "static activation scales"),
+        ("fp8_native", lambda c: c.update(quant_method="gptq", bits=3), "quant_method='gptq': bits=3"),
+        ("fp8_native", lambda c: c.update(quant_method="awq", bits=4, version="gemv"), "version='gemv'"),
+    ],
+)
+def test_unsupported_variants_are_named(tmp_path, clean_state, name, edit, match):
+    message = _fails(_copy(tmp_path, name, edit), clean_state, match)
+    assert "keras_hub_dist reads quant_method 'fp8'" in message
+
+
+def test_group_size_that_does_not_divide_the_input(tmp_path, clean_state):
+    path = _copy(tmp_path, "ct_w4a16", lambda c: _group(c).update(group_size=96))
+    _fails(path, clean_state, r"q_proj.weight' \(compressed-tensors\): the input axis \(256\) is not a multiple of group_size 96")
+
+
+def test_tensors_that_disagree_with_the_config(tmp_path, clean_state):
+    path = _copy(tmp_path, "fp8_native", lambda c: c.update(weight_block_size=[64, 64]))
+    _fails(path, clean_state, r"weight_scale_inv' has shape \[2, 2\], expected \[4, 4\] for 64 x 64 blocks")
+    path = _copy(tmp_path, "ct_w4a16", lambda c: _group(c).update(group_size=64))
+    _fails(path, clean_state, r"weight_scale' has shape \[256, 2\], expected \[256, 4\]")

@@ -1,0 +1,170 @@
+"""Regenerates tests/data/prequantized/: tiny pre-quantized Llama checkpoints
+written by the real writers, and their writers' readers' logits.
+
+Not part of the package and not run by the suite: the suite reads the files
+this writes (config.json, model.safetensors, reference_logits.npy per
+fixture) and needs none of these installs. Run it in a separate venv, never
+in the package's own (CI must not need the writers):
+
+    python3 -m venv /tmp/fixture-venv
+    # reuse the package venv's CPU torch 2.13.0 (and accelerate) underneath:
+    echo /work/main/.venv/lib/python3.11/site-packages > \\
+        /tmp/fixture-venv/lib/python3.11/site-packages/zz_main_venv.pth
+    /tmp/fixture-venv/bin/pip install "llmcompressor==0.14.*"
+    # gives llmcompressor 0.14.0.1, compressed-tensors 0.19.0,
+    # transformers 5.17.0 (over the package venv's 5.24.0), torch 2.13.0+cpu
+    /tmp/fixture-venv/bin/python tools/make_prequantized_fixtures.py [NAME ...]
+
+The tiny model: Llama, hidden 256, 2 query heads and 1 key/value head of
+128, MLP 256, one layer, vocabulary 64, RMS epsilon 1e-6 (KerasHub's
+Llama converter keeps its own 1e-6 whatever config.json says), float32 (so
+the writers' scales are float32 and their readers dequantize in float32),
+untied lm_head (left unquantized by every recipe, as `ignore: ["lm_head"]`).
+
+Fixtures (one directory each):
+- `ct_w4a16`, `ct_w4a16_asym`: compressed-tensors `pack-quantized`, groups
+  of 128 (`QuantizationModifier`, schemes W4A16 / W4A16_ASYM);
+- `ct_fp8_dynamic`: compressed-tensors `float-quantized`, per-channel scales
+  (FP8_DYNAMIC);
+- `ct_fp8_block`: compressed-tensors `float-quantized`, 128 x 128 blocks
+  (FP8_BLOCK);
+- `fp8_native`: transformers' `FineGrainedFP8Config(weight_block_size=(128,
+  128))` (`quant_method: "fp8"`, `weight_scale_inv`), quantized on CPU
+  (`validate_environment` refuses CPU; the quantization itself runs there).
+
+`reference_logits.npy`: float32 logits of `TOKEN_IDS` from
+`AutoModelForCausalLM.from_pretrained(fixture, dtype=torch.float32)` (which
+decompresses on CPU), i.e. the writer's own reader; for compressed-tensors
+with its activation fake-quantization turned off after decompressing
+(`disable_quantization`: keras_hub_dist loads weight-only, activations in
+the compute dtype).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "..", "tests", "data", "prequantized")
+TOKEN_IDS = [[1, 5, 17, 33, 2, 60, 7, 9]]
+KEEP = ("config.json", "model.safetensors")
+
+
+def base_model(path: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+        max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        initializer_range=0.05, bos_token_id=1, eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path)
+
+
+def reference_logits(path: str, quantization_config=None) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {} if quantization_config is None else {"quantization_config": quantization_config}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    model.eval()
+    if getattr(model.config, "quantization_config", None) is not None and quantization_config is None:
+        # compressed-tensors' reader also fake-quantizes the activations of
+        # FP8_DYNAMIC / FP8_BLOCK (W8A8 emulated); keras_hub_dist loads the
+        # weights into a float model (W8A16): the reference is the reader's
+        # decompressed weights with its activation quantization off.
+        from compressed_tensors.quantization import disable_quantization
+
+        with torch.no_grad():
+            model(torch.tensor(TOKEN_IDS))  # decompresses the weights
+        model.apply(disable_quantization)
+    with torch.no_grad():
+        logits = model(torch.tensor(TOKEN_IDS)).logits
+    return logits.float().numpy()
+
+
+def keep_only(src: str, dst: str) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for name in KEEP:
+        shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    # The writer's build's own keys, not the model's: dropped for stable files.
+    config.pop("transformers_version", None)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def compressed_tensors(base: str, scheme: str, out: str) -> None:
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    oneshot(model=model, recipe=recipe)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, save_compressed=True)
+        keep_only(tmp, out)
+
+
+def native_fp8(base: str, out: str) -> None:
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    # Refuses CPU; quantizing runs on CPU all the same.
+    quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
+    config = FineGrainedFP8Config(weight_block_size=(128, 128))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, quantization_config=config)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        keep_only(tmp, out)
+
+
+FIXTURES = {
+    "ct_w4a16": lambda base, out: compressed_tensors(base, "W4A16", out),
+    "ct_w4a16_asym": lambda base, out: compressed_tensors(base, "W4A16_ASYM", out),
+    "ct_fp8_dynamic": lambda base, out: compressed_tensors(base, "FP8_DYNAMIC", out),
+    "ct_fp8_block": lambda base, out: compressed_tensors(base, "FP8_BLOCK", out),
+    "fp8_native": native_fp8,
+}
+
+
+def reference_for(name: str, path: str) -> np.ndarray:
+    if name == "fp8_native":
+        from transformers import FineGrainedFP8Config
+        from transformers.quantizers import quantizer_finegrained_fp8
+
+        quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
+        # On CPU the reader dequantizes the e4m3 blocks into the model dtype.
+        return reference_logits(path, FineGrainedFP8Config(weight_block_size=(128, 128), dequantize=True))
+    return reference_logits(path)
+
+
+def main(names: list[str]) -> None:
+    names = names or list(FIXTURES)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "base")
+        base_model(base)
+        for name in names:
+            out = os.path.join(OUT, name)
+            shutil.rmtree(out, ignore_errors=True)
+            FIXTURES[name](base, out)
+            logits = reference_for(name, out)
+            np.save(os.path.join(out, "reference_logits.npy"), logits.astype(np.float32))
+            print(name, logits.shape, float(np.abs(logits).max()))
+    with open(os.path.join(OUT, "token_ids.json"), "w") as f:
+        json.dump(TOKEN_IDS, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
