@@ -69,6 +69,15 @@ def base_model(path: str) -> None:
     )
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(path)
+    # gptqmodel loads a tokenizer with the model (not kept in the fixtures).
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(64)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t3"
+    ).save_pretrained(path)
 
 
 def reference_logits(path: str, quantization_config=None) -> np.ndarray:
@@ -100,6 +109,8 @@ def keep_only(src: str, dst: str) -> None:
         config = json.load(f)
     # The writer's build's own keys, not the model's: dropped for stable files.
     config.pop("transformers_version", None)
+    # gptqmodel records its temporary directory: not the model's either.
+    config.get("quantization_config", {}).get("meta", {}).pop("offload_to_disk_path", None)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
 
@@ -130,7 +141,33 @@ def native_fp8(base: str, out: str) -> None:
         keep_only(tmp, out)
 
 
+def _calibration() -> list[dict[str, list[int]]]:
+    rng = np.random.default_rng(0)
+    return [{"input_ids": ids, "attention_mask": [1] * len(ids)}
+            for ids in rng.integers(3, 64, size=(32, 32)).tolist()]
+
+
+def gptqmodel_fixture(base: str, out: str, method: str, desc_act: bool = False) -> None:
+    from gptqmodel import GPTQModel
+    from gptqmodel.quantization.config import AWQConfig, GPTQConfig
+
+    if method == "awq":
+        config = AWQConfig(bits=4, group_size=128, sym=False)
+    else:
+        config = GPTQConfig(bits=4, group_size=128, desc_act=desc_act, sym=False)
+    # gptqmodel's AWQ modules take float16 / bfloat16 models only.
+    model = GPTQModel.load(base, config, dtype=torch.float16 if method == "awq" else torch.float32)
+    model.quantize(_calibration(), batch_size=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save(tmp)
+        keep_only(tmp, out)
+
+
 FIXTURES = {
+    # gptqmodel 7.7 (its own venv: it installs torch 2.14.1), see below.
+    "gptq": lambda base, out: gptqmodel_fixture(base, out, "gptq", desc_act=False),
+    "gptq_desc_act": lambda base, out: gptqmodel_fixture(base, out, "gptq", desc_act=True),
+    "awq_gemm": lambda base, out: gptqmodel_fixture(base, out, "awq"),
     "ct_w4a16": lambda base, out: compressed_tensors(base, "W4A16", out),
     "ct_w4a16_asym": lambda base, out: compressed_tensors(base, "W4A16_ASYM", out),
     "ct_fp8_dynamic": lambda base, out: compressed_tensors(base, "FP8_DYNAMIC", out),
@@ -139,7 +176,48 @@ FIXTURES = {
 }
 
 
-def reference_for(name: str, path: str) -> np.ndarray:
+def gptqmodel_reference(path: str, base: str) -> np.ndarray:
+    """Logits with the weights gptqmodel's own reader decodes (its torch
+    modules' `dequantize_weight` / AWQ's `dequantize_gemm`: unpacking, zero
+    offsets, g_idx), in float32: its kernels run in float16 / bfloat16 only,
+    so the decoded codes meet float32 scales and a float32 Transformers
+    forward, as keras_hub_dist's float32 load computes them."""
+    from gptqmodel import BACKEND, GPTQModel
+    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(path, tmp, dirs_exist_ok=True)
+        for name in os.listdir(base):
+            if name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(os.path.join(base, name), tmp)
+        quantized = GPTQModel.load(tmp, backend=BACKEND.TORCH, device="cpu", dtype=torch.float16)
+    weights = {}
+    for name, module in quantized.model.named_modules():
+        if not hasattr(module, "qweight"):
+            continue
+        module.scales = module.scales.float()
+        if hasattr(module, "dequantize_weight"):
+            weight = module.dequantize_weight()
+        else:
+            weight = dequantize_gemm(module.qweight, module.qzeros, module.scales, module.bits, module.group_size)
+        assert weight.dtype == torch.float32, weight.dtype
+        weights[name + ".weight"] = weight.T.contiguous()
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config")
+    model = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
+    stored = {k: v.float() for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+    state = {k: stored.get(k, weights.get(k)) for k in model.state_dict()}
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(torch.tensor(TOKEN_IDS)).logits.float().numpy()
+
+
+def reference_for(name: str, path: str, base: str = "") -> np.ndarray:
+    if name.startswith(("gptq", "awq")):
+        return gptqmodel_reference(path, base)
     if name == "fp8_native":
         from transformers import FineGrainedFP8Config
         from transformers.quantizers import quantizer_finegrained_fp8
@@ -159,7 +237,7 @@ def main(names: list[str]) -> None:
             out = os.path.join(OUT, name)
             shutil.rmtree(out, ignore_errors=True)
             FIXTURES[name](base, out)
-            logits = reference_for(name, out)
+            logits = reference_for(name, out, base)
             np.save(os.path.join(out, "reference_logits.npy"), logits.astype(np.float32))
             print(name, logits.shape, float(np.abs(logits).max()))
     with open(os.path.join(OUT, "token_ids.json"), "w") as f:

@@ -1,9 +1,10 @@
-"""The Hub's pre-quantized checkpoints (FP8, compressed-tensors int4), loaded
-sharded, against their writers' own readers.
+"""The Hub's pre-quantized checkpoints (FP8, compressed-tensors int4, GPTQ,
+AWQ), loaded sharded, against their writers' own readers.
 
 The fixtures in tests/data/prequantized/ were written by the real writers
-(llmcompressor 0.14, transformers' FineGrainedFP8Config) on a tiny Llama,
-with the logits of their readers (transformers, float32, CPU); regenerate
+(llmcompressor 0.14, transformers' FineGrainedFP8Config, gptqmodel 7.7) on a
+tiny Llama, with the logits of their readers (transformers, float32, CPU;
+gptqmodel's decoded weights in a float32 forward); regenerate
 them with tools/make_prequantized_fixtures.py in a separate venv. The suite
 needs none of those installs.
 """
@@ -21,7 +22,7 @@ from keras_hub_dist import PresetError, load_sharded_preset, save_sharded_preset
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "prequantized")
 FP8 = ("fp8_native", "ct_fp8_block", "ct_fp8_dynamic")
-INT4 = ("ct_w4a16", "ct_w4a16_asym")
+INT4 = ("ct_w4a16", "ct_w4a16_asym", "gptq", "gptq_desc_act", "awq_gemm")
 TOLERANCE = 1e-4
 
 
@@ -98,7 +99,7 @@ def test_int4_saves_as_a_keras_quantized_preset_and_reloads_equal(tmp_path):
         assert a.path == b.path and np.array_equal(np.asarray(a), np.asarray(b)), a.path
 
 
-def _copy(tmp_path, name, edit_config=None, edit_header=None):
+def _copy(tmp_path, name, edit_config=None):
     target = tmp_path / name
     shutil.copytree(os.path.join(DATA, name), target)
     if edit_config is not None:
@@ -120,21 +121,28 @@ def _group(c):
     return c["config_groups"]["group_0"]["weights"]
 
 
-@pytest.mark.parametrize(
-    "name, edit, match",
-    [
-        ("ct_w4a16", lambda c: _group(c).update(num_bits=8), "8-bit int weights in the 'pack-quantized' format"),
-        ("ct_w4a16", lambda c: _group(c).update(num_bits=2), "2-bit int weights"),
-        ("ct_w4a16", lambda c: _group(c).update(strategy="tensor_group"), "strategy 'tensor_group'"),
-        ("ct_w4a16", lambda c: c.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config"),
-        ("fp8_native", lambda c: c.update(activation_scheme="static"), "static activation scales"),
-        ("fp8_native", lambda c: c.update(quant_method="gptq", bits=3), "quant_method='gptq': bits=3"),
-        ("fp8_native", lambda c: c.update(quant_method="awq", bits=4, version="gemv"), "version='gemv'"),
-    ],
-)
-def test_unsupported_variants_are_named(tmp_path, clean_state, name, edit, match):
-    message = _fails(_copy(tmp_path, name, edit), clean_state, match)
-    assert "keras_hub_dist reads quant_method 'fp8'" in message
+_VARIANTS = [
+    ("ct_w4a16", lambda c: _group(c).update(num_bits=8), "8-bit int weights in the 'pack-quantized' format"),
+    ("ct_w4a16", lambda c: _group(c).update(num_bits=2), "2-bit int weights"),
+    ("ct_w4a16", lambda c: _group(c).update(strategy="tensor_group"), "strategy 'tensor_group'"),
+    ("ct_w4a16", lambda c: c.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config"),
+    ("fp8_native", lambda c: c.update(activation_scheme="static"), "static activation scales"),
+    ("fp8_native", lambda c: c.update(quant_method="gptq", bits=3), "quant_method='gptq': bits=3"),
+    ("fp8_native", lambda c: c.update(quant_method="awq", bits=4, version="gemv"), "version='gemv'"),
+    ("gptq", lambda c: c.update(bits=8), "quant_method='gptq': bits=8"),
+    ("gptq", lambda c: c.update(checkpoint_format="marlin"), "checkpoint_format='marlin'"),
+]
+
+
+def test_unsupported_variants_are_named(tmp_path, clean_state):
+    """Refused from config.json alone, before the model is built (one
+    clean-state check around them all: each is a few milliseconds)."""
+    with clean_state():
+        for k, (name, edit, match) in enumerate(_VARIANTS):
+            path = _copy(tmp_path / str(k), name, edit)
+            with pytest.raises(PresetError, match=match) as info:
+                load_sharded_preset(path, progress=False)
+            assert "keras_hub_dist reads quant_method 'fp8'" in str(info.value)
 
 
 def test_group_size_that_does_not_divide_the_input(tmp_path, clean_state):
@@ -143,6 +151,8 @@ def test_group_size_that_does_not_divide_the_input(tmp_path, clean_state):
 
 
 def test_tensors_that_disagree_with_the_config(tmp_path, clean_state):
+    path = _copy(tmp_path, "gptq_desc_act", lambda c: c.update(group_size=64))
+    _fails(path, clean_state, r"down_proj.weight' \(gptq\): 'model.layers.0.mlp.down_proj.qzeros' has shape \[2, 32\], expected \[4, 32\]")
     path = _copy(tmp_path, "fp8_native", lambda c: c.update(weight_block_size=[64, 64]))
     _fails(path, clean_state, r"weight_scale_inv' has shape \[2, 2\], expected \[4, 4\] for 64 x 64 blocks")
     path = _copy(tmp_path, "ct_w4a16", lambda c: _group(c).update(group_size=64))
