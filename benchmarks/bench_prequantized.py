@@ -20,7 +20,9 @@ Timing runs have no memory sampler; `<case>_mem` runs sample per-device live
 bytes every 2 ms and host RSS. Printed per case: the file bytes, the bytes
 the load read, wall time (and over bf16's), the final per-device bytes (and
 over bf16's), per-device peak / final, host RSS growth over the file's bytes
-(one process reads the whole file: its share is all of it).
+(one process reads the whole file: its share is all of it), and, since the
+simulated devices' memory is host memory, the host's growth beyond the
+loaded model over the bytes read.
 
 Usage (heavy: run under the machine's heavy-job lock):
 
@@ -116,7 +118,7 @@ def _row(name: str, timed: list[dict], mem: list[dict], base: dict | None) -> st
     good = [r for r in timed if "wall_s" in r and not r.get("failed")]
     if not good:
         reason = (timed or [{}])[0].get("reason", "no run")
-        return f"| {name} | - | - | - | - | - | - | FAILED: {reason} |"
+        return f"| {name} | - | - | - | - | - | - | - | FAILED: {reason} |"
     wall = bench_load._median([r["wall_s"] for r in good])
     weights = max(good[0]["weights_per_device"].values())
     over = ""
@@ -130,11 +132,14 @@ def _row(name: str, timed: list[dict], mem: list[dict], base: dict | None) -> st
         m = mem[0]
         peak = f"{max(m['peak_per_device'][d] / f for d, f in m['final_per_device'].items() if f):.3f}"
     growth = max((r["host_rss_peak"] - r["host_rss_start"]) / r["file_bytes"] for r in good)
+    # The simulated devices' memory is host memory: what the host held
+    # beyond the loaded model, over the bytes this process read.
+    beyond = max((r["host_rss_peak"] - r["host_rss_start"] - r["model_bytes"]) / r["read_bytes"] for r in good)
     read = good[0].get("read_bytes")
     return (
         f"| {name} ({', '.join(good[0]['modes']) or 'float'}) | {good[0]['file_bytes'] / 1e9:.2f} GB | "
         f"{'-' if read is None else f'{read / 1e9:.2f} GB'} | {wall:.1f}{over} | "
-        f"{weights / 2**20:.0f} MiB{device_over} | {peak} | {growth:.2f} | ok |"
+        f"{weights / 2**20:.0f} MiB{device_over} | {peak} | {growth:.2f} | {beyond:.2f} | ok |"
     )
 
 
@@ -174,8 +179,9 @@ def main() -> None:
                 shutil.rmtree(path, ignore_errors=True)
     base_runs = [r for r in results.get("bf16", []) if "wall_s" in r and not r.get("failed")]
     base = dict(base_runs[0], wall_s=bench_load._median([r["wall_s"] for r in base_runs])) if base_runs else None
-    print("\n| case | file | read | wall s (vs bf16) | final per device (vs bf16) | per-device peak / final | host RSS growth / file bytes | result |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| case | file | read | wall s (vs bf16) | final per device (vs bf16) | per-device peak / final "
+          "| host RSS growth / file bytes | host growth beyond the model / bytes read | result |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for case in cases:
         print(_row(case, results.get(case, []), results.get(case + "_mem", []), base))
 

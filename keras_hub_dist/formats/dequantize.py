@@ -105,7 +105,7 @@ class DequantizedSource(TensorSource):
     name: str
 
     def box(self, o0: int, o1: int, i0: int, i1: int) -> np.ndarray:
-        """`W[o0:o1, i0:i1]`, float32."""
+        """`W[o0:o1, i0:i1]`, float32, in fresh aligned memory."""
         raise NotImplementedError
 
     def box_nbytes(self, o0: int, o1: int, i0: int, i1: int) -> int:
@@ -131,14 +131,14 @@ class DequantizedSource(TensorSource):
     def read(self, index: Index) -> np.ndarray:
         rows, cols = self._spans(index)
         block_shape = tuple(b - a for a, b in index)
-        out = host_io.aligned_empty(block_shape, np.dtype(np.float32))
         if rows.size == 0 or cols.size == 0:
-            return out
+            return host_io.aligned_empty(block_shape, np.dtype(np.float32))
         o0, o1, i0, i1 = int(rows.min()), int(rows.max()) + 1, int(cols.min()), int(cols.max()) + 1
-        values = self.box(o0, o1, i0, i1)
-        if rows.size != o1 - o0 or cols.size != i1 - i0:
-            values = values[np.ix_(rows - o0, cols - i0)]
-        out[...] = values.reshape(block_shape)
+        values = self.box(o0, o1, i0, i1)  # fresh, aligned, C-contiguous
+        if rows.size == o1 - o0 and cols.size == i1 - i0:
+            return values.reshape(block_shape)
+        out = host_io.aligned_empty(block_shape, np.dtype(np.float32))
+        out[...] = values[np.ix_(rows - o0, cols - i0)].reshape(block_shape)
         return out
 
     def read_nbytes(self, index: Index) -> int:
@@ -153,6 +153,13 @@ class DequantizedSource(TensorSource):
 
 def _box(stored: StoredTensor, *ranges: tuple[int, int]) -> np.ndarray:
     return stored.read(tuple(ranges))
+
+
+def _float32(codes: np.ndarray) -> np.ndarray:
+    """`codes` as float32, in fresh aligned memory (one pass)."""
+    out = host_io.aligned_empty(codes.shape, np.dtype(np.float32))
+    np.copyto(out, codes, casting="unsafe")
+    return out
 
 
 class Fp8Source(DequantizedSource):
@@ -184,7 +191,7 @@ class Fp8Source(DequantizedSource):
         return ((o0 // rows, -(-o1 // rows)), (i0 // cols, -(-i1 // cols))), None
 
     def box(self, o0: int, o1: int, i0: int, i1: int) -> np.ndarray:
-        values = _box(self.weight, (o0, o1), (i0, i1)).astype(np.float32)
+        values = _float32(_box(self.weight, (o0, o1), (i0, i1)))
         ranges, _ = self._scale_box(o0, o1, i0, i1)
         if not ranges:
             scale = self.scale.read(tuple((0, d) for d in self.scale.shape)).astype(np.float32).reshape(())
@@ -194,10 +201,14 @@ class Fp8Source(DequantizedSource):
         if self.block is None:
             values *= scale.reshape(-1, 1)
             return values
+        # One block row at a time: the scales expand along the columns only
+        # (never a second box-sized array on the host).
         rows, cols = self.block
-        (g0, _), (h0, _) = ranges
-        expanded = np.repeat(np.repeat(scale, rows, axis=0), cols, axis=1)
-        values *= expanded[o0 - g0 * rows : o1 - g0 * rows, i0 - h0 * cols : i1 - h0 * cols]
+        (g0, g1), (h0, _) = ranges
+        for g in range(g0, g1):
+            r0, r1 = max(o0, g * rows) - o0, min(o1, (g + 1) * rows) - o0
+            line = np.repeat(scale[g - g0], cols)[i0 - h0 * cols : i1 - h0 * cols]
+            values[r0:r1] *= line
         return values
 
     def box_nbytes(self, o0: int, o1: int, i0: int, i1: int) -> int:
@@ -251,11 +262,17 @@ class Int4Source(DequantizedSource):
     def box(self, o0: int, o1: int, i0: int, i1: int) -> np.ndarray:
         groups = self.group_index(i0, i1)
         g0, g1 = int(groups.min()), int(groups.max()) + 1
-        scale = self.group_scales(o0, o1, g0, g1).astype(np.float32)[:, groups - g0]
-        zero = self.group_zeros(o0, o1, g0, g1).astype(np.float32)[:, groups - g0]
-        values = self.codes(o0, o1, i0, i1).astype(np.float32)
-        values -= zero
-        values *= scale
+        scale = self.group_scales(o0, o1, g0, g1).astype(np.float32)
+        zero = self.group_zeros(o0, o1, g0, g1).astype(np.float32)
+        values = _float32(self.codes(o0, o1, i0, i1))
+        if self.g_idx is None:  # contiguous groups: one column range each
+            for g in range(g0, g1):
+                c0, c1 = max(i0, g * self.group_size) - i0, min(i1, (g + 1) * self.group_size) - i0
+                values[:, c0:c1] -= zero[:, g - g0 : g - g0 + 1]
+                values[:, c0:c1] *= scale[:, g - g0 : g - g0 + 1]
+            return values
+        values -= zero[:, groups - g0]
+        values *= scale[:, groups - g0]
         return values
 
     def box_nbytes(self, o0: int, o1: int, i0: int, i1: int) -> int:

@@ -12,6 +12,13 @@ variable is a `TensorSource` that computes any block of the converted value
 from the bytes of that block alone. So the mapping cannot drift from
 KerasHub's: it is KerasHub's, replayed block-wise.
 
+Pre-quantized checkpoints (`quantization_config`: FP8, compressed-tensors,
+GPTQ, AWQ; `formats.prequantized`): a Linear weight the checkpoint holds
+quantized is served to the converter as a `formats.dequantize` source of its
+float value, block-wise; `load.quantized` then places int4 ones in Keras's
+int4 layers as they are. A method this package does not read is refused by
+`backbone_config`, naming it.
+
 Values the tracer cannot split into blocks:
 - gpt-oss MXFP4 experts (the converter's dequantization uses masked
   assignment): recognized by their `*_blocks` / `*_scales` tensors and read
