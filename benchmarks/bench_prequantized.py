@@ -18,7 +18,8 @@ devices, mesh (1, 8), every model in bfloat16, from checkpoints written by
 
 Timing runs have no memory sampler; `<case>_mem` runs sample per-device live
 bytes every 2 ms and host RSS. Printed per case: the file bytes, the bytes
-the load read, wall time (and over bf16's), the final per-device bytes (and
+the load read, wall time and CPU seconds (medians; and over bf16's: on a
+shared machine the CPU seconds are the steadier figure), the final per-device bytes (and
 over bf16's), per-device peak / final, host RSS growth over the file's bytes
 (one process reads the whole file: its share is all of it), and, since the
 simulated devices' memory is host memory, the host's growth beyond the
@@ -118,12 +119,14 @@ def _row(name: str, timed: list[dict], mem: list[dict], base: dict | None) -> st
     good = [r for r in timed if "wall_s" in r and not r.get("failed")]
     if not good:
         reason = (timed or [{}])[0].get("reason", "no run")
-        return f"| {name} | - | - | - | - | - | - | - | FAILED: {reason} |"
+        return f"| {name} | - | - | - | - | - | - | - | - | FAILED: {reason} |"
     wall = bench_load._median([r["wall_s"] for r in good])
+    cpu = bench_load._median([r["cpu_s"] for r in good])
     weights = max(good[0]["weights_per_device"].values())
-    over = ""
+    over = cpu_over = ""
     if base is not None:
         over = f" ({wall / base['wall_s']:.2f}x)"
+        cpu_over = f" ({cpu / base['cpu_s']:.2f}x)"
         device_over = f" ({weights / max(base['weights_per_device'].values()):.3f}x)"
     else:
         device_over = ""
@@ -138,7 +141,7 @@ def _row(name: str, timed: list[dict], mem: list[dict], base: dict | None) -> st
     read = good[0].get("read_bytes")
     return (
         f"| {name} ({', '.join(good[0]['modes']) or 'float'}) | {good[0]['file_bytes'] / 1e9:.2f} GB | "
-        f"{'-' if read is None else f'{read / 1e9:.2f} GB'} | {wall:.1f}{over} | "
+        f"{'-' if read is None else f'{read / 1e9:.2f} GB'} | {wall:.1f}{over} | {cpu:.1f}{cpu_over} | "
         f"{weights / 2**20:.0f} MiB{device_over} | {peak} | {growth:.2f} | {beyond:.2f} | ok |"
     )
 
@@ -178,10 +181,14 @@ def main() -> None:
             for path in set(paths.values()):
                 shutil.rmtree(path, ignore_errors=True)
     base_runs = [r for r in results.get("bf16", []) if "wall_s" in r and not r.get("failed")]
-    base = dict(base_runs[0], wall_s=bench_load._median([r["wall_s"] for r in base_runs])) if base_runs else None
-    print("\n| case | file | read | wall s (vs bf16) | final per device (vs bf16) | per-device peak / final "
-          "| host RSS growth / file bytes | host growth beyond the model / bytes read | result |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    base = dict(
+        base_runs[0],
+        wall_s=bench_load._median([r["wall_s"] for r in base_runs]),
+        cpu_s=bench_load._median([r["cpu_s"] for r in base_runs]),
+    ) if base_runs else None
+    print("\n| case | file | read | wall s (vs bf16) | CPU s (vs bf16) | final per device (vs bf16) "
+          "| per-device peak / final | host RSS growth / file bytes | host growth beyond the model / bytes read | result |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for case in cases:
         print(_row(case, results.get(case, []), results.get(case + "_mem", []), base))
 

@@ -63,10 +63,9 @@ def unpack_int32(packed: np.ndarray, axis: int, order: Sequence[int] = range(8))
     return np.moveaxis(fields, -1, axis)
 
 
-def _groups(shape: Sequence[int], base: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
-    """Per axis of the base `(out, in)`, the axes of `shape` a C-order
-    reshape splits it into (size-1 axes in neither); `None` where the
-    reshape merges out and in."""
+def _groups(shape: Sequence[int], base: Sequence[int]) -> tuple[list[int], list[int]] | None:
+    """The axes of `shape` a C-order reshape splits the base's out and in
+    axes into (size-1 axes in neither); `None` where it merges them."""
     out, inner = [], []
     size, target = 1, base[0]
     for axis, d in enumerate(shape):
@@ -79,7 +78,7 @@ def _groups(shape: Sequence[int], base: Sequence[int]) -> list[tuple[list[int], 
             inner.append(axis)
     if size != base[0] or math.prod(shape[a] for a in inner) != base[1]:
         return None
-    return [(out, []), (inner, [])]
+    return out, inner
 
 
 def _positions(index: Index, shape: Sequence[int], axes: Sequence[int]) -> np.ndarray:
@@ -125,7 +124,7 @@ class DequantizedSource(TensorSource):
         if len(self.shape) == 2 and tuple(self.shape) == self.base:
             (o0, o1), (i0, i1) = index
             return np.arange(o0, o1), np.arange(i0, i1)
-        (out_axes, _), (in_axes, _) = _groups(self.shape, self.base)
+        out_axes, in_axes = _groups(self.shape, self.base)
         return _positions(index, self.shape, out_axes), _positions(index, self.shape, in_axes)
 
     def read(self, index: Index) -> np.ndarray:
@@ -134,11 +133,17 @@ class DequantizedSource(TensorSource):
         if rows.size == 0 or cols.size == 0:
             return host_io.aligned_empty(block_shape, np.dtype(np.float32))
         o0, o1, i0, i1 = int(rows.min()), int(rows.max()) + 1, int(cols.min()), int(cols.max()) + 1
-        values = self.box(o0, o1, i0, i1)  # fresh, aligned, C-contiguous
         if rows.size == o1 - o0 and cols.size == i1 - i0:
-            return values.reshape(block_shape)
+            return self.box(o0, o1, i0, i1).reshape(block_shape)  # fresh, aligned
+        # Rows in runs (a block cut across heads): each run's box alone, so
+        # the host never holds much more than the block.
         out = host_io.aligned_empty(block_shape, np.dtype(np.float32))
-        out[...] = values[np.ix_(rows - o0, cols - i0)].reshape(block_shape)
+        flat = out.reshape(rows.size, cols.size)
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        for start, stop in zip(np.r_[0, breaks], np.r_[breaks, rows.size]):
+            r0 = int(rows[start])
+            run = self.box(r0, r0 + int(stop - start), i0, i1)
+            flat[start:stop] = run if cols.size == i1 - i0 else run[:, cols - i0]
         return out
 
     def read_nbytes(self, index: Index) -> int:
@@ -181,18 +186,19 @@ class Fp8Source(DequantizedSource):
         self.dtype = np.dtype(np.float32)
         self.description = f"FP8 tensor {name!r} of {weight.file!r}"
 
-    def _scale_box(self, o0: int, o1: int, i0: int, i1: int) -> tuple[tuple[tuple[int, int], ...], np.ndarray | None]:
-        size = math.prod(self.scale.shape)
-        if size == 1:
-            return (), None
+    def _scale_box(self, o0: int, o1: int, i0: int, i1: int) -> tuple[tuple[int, int], ...]:
+        """The block of the scale tensor covering `W[o0:o1, i0:i1]` (`()`:
+        one scale for the tensor)."""
+        if math.prod(self.scale.shape) == 1:
+            return ()
         if self.block is None:  # per channel: (out, 1) or (out,)
-            return ((o0, o1),) + ((0, 1),) * (len(self.scale.shape) - 1), None
+            return ((o0, o1),) + ((0, 1),) * (len(self.scale.shape) - 1)
         rows, cols = self.block
-        return ((o0 // rows, -(-o1 // rows)), (i0 // cols, -(-i1 // cols))), None
+        return ((o0 // rows, -(-o1 // rows)), (i0 // cols, -(-i1 // cols)))
 
     def box(self, o0: int, o1: int, i0: int, i1: int) -> np.ndarray:
         values = _float32(_box(self.weight, (o0, o1), (i0, i1)))
-        ranges, _ = self._scale_box(o0, o1, i0, i1)
+        ranges = self._scale_box(o0, o1, i0, i1)
         if not ranges:
             scale = self.scale.read(tuple((0, d) for d in self.scale.shape)).astype(np.float32).reshape(())
             values *= scale
@@ -212,7 +218,7 @@ class Fp8Source(DequantizedSource):
         return values
 
     def box_nbytes(self, o0: int, o1: int, i0: int, i1: int) -> int:
-        ranges, _ = self._scale_box(o0, o1, i0, i1)
+        ranges = self._scale_box(o0, o1, i0, i1)
         scale = self.scale.nbytes if not ranges else self.scale.block_runs(ranges).nbytes
         return self.weight.block_runs(((o0, o1), (i0, i1))).nbytes + scale
 

@@ -205,3 +205,26 @@ def test_int4_kernels_keras_cannot_take_load_dequantized(name, monkeypatch):
     backbone = load_sharded_preset(os.path.join(DATA, name), mesh=(2, 4), dtype="float32", progress=False)
     assert _modes(backbone) == {}
     np.testing.assert_allclose(_logits(backbone), _reference(name), rtol=0, atol=TOLERANCE)
+
+
+def test_dequantized_blocks_of_a_reshaped_weight_equal_the_whole_tensors():
+    """Any block of a converter's reshape / transpose of a quantized weight
+    (heads split out of the rows, a block cut across heads) equals that
+    block of the whole dequantized tensor."""
+    from keras_hub_dist.formats import prequantized, transforms
+    from keras_hub_dist.formats.safetensors_files import checkpoint_files
+    from keras_hub_dist.storage.locations import open_location
+
+    for name in ("ct_fp8_block", "gptq_desc_act", "awq_gemm", "ct_w4a16_asym"):
+        path = os.path.join(DATA, name)
+        with open(os.path.join(path, "config.json")) as f:
+            scheme = prequantized.scheme(json.load(f), name)
+        with open_location(path, name) as location:
+            tensors = {n: t for h in checkpoint_files(location, name).headers.values() for n, t in h.tensors.items()}
+        _, source = prequantized.dequantized_tensor(scheme, "model.layers.0.self_attn.q_proj.weight", tensors)
+        whole = source.read(((0, 256), (0, 256)))
+        heads = transforms.Transpose(transforms.reshape(source, (2, 128, 256)), (2, 0, 1))  # (in, heads, head_dim)
+        expected = whole.reshape(2, 128, 256).transpose(2, 0, 1)
+        for index in (((0, 256), (0, 2), (32, 96)), ((100, 200), (1, 2), (0, 128)), ((0, 256), (0, 2), (0, 128))):
+            block = heads.read(index)
+            assert np.array_equal(block, expected[tuple(slice(a, b) for a, b in index)]), (name, index)
