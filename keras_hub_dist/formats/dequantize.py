@@ -294,7 +294,8 @@ class CompressedInt4Source(Int4Source):
         packed: `weight_packed` int32 `(out, in / 8)`, stored `q + 8`.
         scale: `weight_scale` `(out, groups)`.
         zero: `weight_zero_point` int32 `(out / 8, groups)`, packed along
-            the output axis, stored `z + 8`; `None` for symmetric.
+            the output axis, stored `z + 8` (or, as older writers store it,
+            `z` unpacked `(out, groups)`); `None` for symmetric.
         g_idx: `weight_g_idx` `(in,)` (activation order), or `None`.
         group_size: From the config.
         name: The module's weight name, for messages.
@@ -318,6 +319,8 @@ class CompressedInt4Source(Int4Source):
     def group_zeros(self, o0: int, o1: int, g0: int, g1: int) -> np.ndarray:
         if self.zeros is None:
             return np.zeros((o1 - o0, g1 - g0), np.int8)
+        if self.zeros.shape[0] == self.base[0] > 1:  # unpacked
+            return _box(self.zeros, (o0, o1), (g0, g1)).astype(np.int8)
         r0, r1 = o0 // 8, -(-o1 // 8)
         fields = unpack_int32(_box(self.zeros, (r0, r1), (g0, g1)), axis=0)
         values = fields[o0 - 8 * r0 : o1 - 8 * r0]

@@ -266,7 +266,8 @@ def _compressed_int4(s: Scheme, name: str, prefix: str, tensors: Mapping[str, St
     if not s.symmetric:
         names.append(prefix + "weight_zero_point")
         zero = tensors.get(names[-1])
-        problem = problem or _check_shape(s, name, names[-1], zero, (-(-out // 8), groups))
+        if zero is None or tuple(zero.shape) != (out, groups):  # else unpacked, as older writers
+            problem = problem or _check_shape(s, name, names[-1], zero, (-(-out // 8), groups))
     g_idx = tensors.get(prefix + "weight_g_idx")
     if g_idx is not None:
         names.append(prefix + "weight_g_idx")

@@ -228,3 +228,32 @@ def test_dequantized_blocks_of_a_reshaped_weight_equal_the_whole_tensors():
         for index in (((0, 256), (0, 2), (32, 96)), ((100, 200), (1, 2), (0, 128)), ((0, 256), (0, 2), (0, 128))):
             block = heads.read(index)
             assert np.array_equal(block, expected[tuple(slice(a, b) for a, b in index)]), (name, index)
+
+
+def test_unpacked_zero_points_of_older_compressed_tensors(tmp_path):
+    """compressed-tensors before packing zero points stored them as they
+    are, `(out, groups)`: read the same."""
+    from safetensors.numpy import load_file, save_file
+
+    from keras_hub_dist.formats import prequantized
+    from keras_hub_dist.formats.dequantize import unpack_int32
+    from keras_hub_dist.formats.safetensors_files import checkpoint_files
+    from keras_hub_dist.storage.locations import open_location
+
+    path = os.path.join(DATA, "ct_w4a16_asym")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    zero = tensors[name + "_zero_point"]
+    tensors[name + "_zero_point"] = np.ascontiguousarray(unpack_int32(zero, axis=0) - np.int8(8))
+    with open(os.path.join(path, "config.json")) as f:
+        scheme = prequantized.scheme(json.load(f), path)
+    unpacked = tmp_path / "unpacked"
+    unpacked.mkdir()
+    save_file(tensors, str(unpacked / "model.safetensors"))
+    reads = []
+    for directory in (path, str(unpacked)):
+        with open_location(directory, directory) as location:
+            stored = {n: t for h in checkpoint_files(location, directory).headers.values() for n, t in h.tensors.items()}
+        _, source = prequantized.dequantized_tensor(scheme, name, stored)
+        reads.append(source.read(((0, 256), (0, 256))))
+    assert np.array_equal(reads[0], reads[1])
