@@ -13,7 +13,18 @@ in the package's own (CI must not need the writers):
     /tmp/fixture-venv/bin/pip install "llmcompressor==0.14.*"
     # gives llmcompressor 0.14.0.1, compressed-tensors 0.19.0,
     # transformers 5.17.0 (over the package venv's 5.24.0), torch 2.13.0+cpu
-    /tmp/fixture-venv/bin/python tools/make_prequantized_fixtures.py [NAME ...]
+    /tmp/fixture-venv/bin/python tools/make_prequantized_fixtures.py \
+        ct_w4a16 ct_w4a16_asym ct_fp8_dynamic ct_fp8_block fp8_native
+
+    # gptqmodel in a venv of its own (it installs torch 2.14.1 and CUDA
+    # wheels; about 3 minutes; its kernels run on CPU in float16 only):
+    python3 -m venv /tmp/fixture-venv-gptq
+    echo /work/main/.venv/lib/python3.11/site-packages > \
+        /tmp/fixture-venv-gptq/lib/python3.11/site-packages/zz_main_venv.pth
+    GPTQMODEL_CPU_WORKERS=2 /tmp/fixture-venv-gptq/bin/pip install gptqmodel
+    # gives gptqmodel 7.7.0, torch 2.14.1, transformers 5.24.0 (the package's)
+    GPTQMODEL_CPU_WORKERS=2 /tmp/fixture-venv-gptq/bin/python \
+        tools/make_prequantized_fixtures.py gptq gptq_desc_act awq_gemm
 
 The tiny model: Llama, hidden 256, 2 query heads and 1 key/value head of
 128, MLP 256, one layer, vocabulary 64, RMS epsilon 1e-6 (KerasHub's
@@ -30,14 +41,22 @@ Fixtures (one directory each):
   (FP8_BLOCK);
 - `fp8_native`: transformers' `FineGrainedFP8Config(weight_block_size=(128,
   128))` (`quant_method: "fp8"`, `weight_scale_inv`), quantized on CPU
-  (`validate_environment` refuses CPU; the quantization itself runs there).
+  (`validate_environment` refuses CPU; the quantization itself runs there);
+- `gptq`, `gptq_desc_act`: gptqmodel `GPTQConfig(bits=4, group_size=128,
+  sym=False, desc_act=False / True)` on 32 random calibration sequences
+  (`format: gptq`: `qzeros` store z - 1; act-order `g_idx`);
+- `awq_gemm`: gptqmodel `AWQConfig(bits=4, group_size=128, sym=False)`
+  (`version: gemm`), on the model in float16 (its AWQ modules take no
+  float32).
 
 `reference_logits.npy`: float32 logits of `TOKEN_IDS` from
 `AutoModelForCausalLM.from_pretrained(fixture, dtype=torch.float32)` (which
 decompresses on CPU), i.e. the writer's own reader; for compressed-tensors
 with its activation fake-quantization turned off after decompressing
 (`disable_quantization`: keras_hub_dist loads weight-only, activations in
-the compute dtype).
+the compute dtype); for gptqmodel's, the weights its own modules decode
+(`dequantize_weight`, `dequantize_gemm`) with float32 scales in a float32
+Transformers forward (its kernels compute in float16 only).
 """
 
 from __future__ import annotations
@@ -52,7 +71,7 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "..", "tests", "data", "prequantized")
+OUT = os.path.normpath(os.path.join(HERE, "..", "tests", "data", "prequantized"))
 TOKEN_IDS = [[1, 5, 17, 33, 2, 60, 7, 9]]
 KEEP = ("config.json", "model.safetensors")
 
@@ -231,6 +250,7 @@ def reference_for(name: str, path: str, base: str = "") -> np.ndarray:
 def main(names: list[str]) -> None:
     names = names or list(FIXTURES)
     with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)  # gptqmodel writes its logs/ under the working directory
         base = os.path.join(tmp, "base")
         base_model(base)
         for name in names:
