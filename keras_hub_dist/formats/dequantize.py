@@ -30,6 +30,7 @@ zero points and group index as they are (`codes`, `group_scales`, ...), which
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Sequence
 
@@ -160,10 +161,21 @@ def _box(stored: StoredTensor, *ranges: tuple[int, int]) -> np.ndarray:
     return stored.read(tuple(ranges))
 
 
+@functools.cache
+def _float8_values(dtype: np.dtype) -> np.ndarray:
+    """float32 value of each of the 256 codes of an 8-bit float dtype."""
+    return np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+
+
 def _float32(codes: np.ndarray) -> np.ndarray:
-    """`codes` as float32, in fresh aligned memory (one pass)."""
+    """`codes` as float32, in fresh aligned memory (one pass; 8-bit floats
+    by a table of their 256 values, the same bits as a cast at a third of
+    its CPU time)."""
     out = host_io.aligned_empty(codes.shape, np.dtype(np.float32))
-    np.copyto(out, codes, casting="unsafe")
+    if codes.dtype.itemsize == 1 and codes.dtype.kind not in "iub":
+        np.take(_float8_values(codes.dtype), codes.view(np.uint8), out=out, mode="clip")
+    else:
+        np.copyto(out, codes, casting="unsafe")
     return out
 
 
