@@ -55,13 +55,22 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 def unpack_int32(packed: np.ndarray, axis: int, order: Sequence[int] = range(8)) -> np.ndarray:
     """The eight 4-bit fields of each int32 (lowest first, or in `order`:
     field `k` holds value `order[k]` of the eight), unsigned, as int8,
-    along `axis` (which grows eight times)."""
-    packed = np.moveaxis(np.asarray(packed).view(np.uint32), axis, -1)
-    fields = np.empty(packed.shape + (8,), np.int8)
-    for k, position in enumerate(order):
-        fields[..., position] = ((packed >> np.uint32(4 * k)) & np.uint32(0xF)).astype(np.int8)
-    fields = fields.reshape(packed.shape[:-1] + (packed.shape[-1] * 8,))
-    return np.moveaxis(fields, -1, axis)
+    along `axis` (which grows eight times).
+
+    Byte-wise: the int32s are little-endian, so byte `b` of one holds fields
+    `2b` (low nibble) and `2b + 1` (high); two passes over bytes, no shifts
+    of 32-bit words."""
+    words = np.ascontiguousarray(np.moveaxis(np.asarray(packed), axis, -1)).astype("<i4", copy=False)
+    octets = words.view(np.uint8)
+    fields = np.empty(words.shape[:-1] + (words.shape[-1] * 8,), np.uint8)
+    np.bitwise_and(octets, np.uint8(0x0F), out=fields[..., 0::2])
+    np.right_shift(octets, np.uint8(4), out=fields[..., 1::2])
+    if tuple(order) != tuple(range(8)):
+        grouped = fields.reshape(words.shape + (8,))
+        reordered = np.empty_like(grouped)
+        reordered[..., list(order)] = grouped
+        fields = reordered.reshape(fields.shape)
+    return np.moveaxis(fields.view(np.int8), -1, axis)
 
 
 def _groups(shape: Sequence[int], base: Sequence[int]) -> tuple[list[int], list[int]] | None:

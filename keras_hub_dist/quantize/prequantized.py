@@ -38,7 +38,7 @@ from keras_hub_dist import _compat
 from keras_hub_dist.formats import transforms
 from keras_hub_dist.formats.base import CheckpointIndex, Index, TensorSource
 from keras_hub_dist.formats.dequantize import Int4Source
-from keras_hub_dist.plan.quantization import QuantizedTensor, scale_shape, values_shape
+from keras_hub_dist.plan.quantization import QuantizedTensor, scale_shape
 from keras_hub_dist.storage import host_io
 
 __all__ = ["int4_kernels", "int4_variable_sources", "uses_prequantized"]
@@ -101,30 +101,32 @@ def int4_kernels(backbone: Any, index: CheckpointIndex) -> dict[str, tuple[Int4S
     return found
 
 
-class _Values(TensorSource):
-    """`pack_int4(codes.T, axis=1)`: `(in, ceil(out / 2))` int8."""
+class _PackedRows(TensorSource):
+    """The codes packed two per byte along the output, as rows:
+    `(ceil(out / 2), in)` int8; Keras's values variable is its transpose
+    (done on the devices, `load.block_plan`, for large blocks)."""
 
-    def __init__(self, source: Int4Source, shape: tuple[int, ...]) -> None:
-        self.source, self.shape = source, shape
+    def __init__(self, source: Int4Source) -> None:
+        self.source = source
+        self.shape = ((source.base[0] + 1) // 2, source.base[1])
         self.dtype = np.dtype(np.int8)
         self.description = f"the int4 codes of {source.description}"
 
     def read(self, index: Index) -> np.ndarray:
-        (i0, i1), (p0, p1) = index
-        out_dim = self.source.base[0]
-        o0, o1 = 2 * p0, min(2 * p1, out_dim)
-        codes = self.source.codes(o0, o1, i0, i1).T  # (in, out)
-        if codes.shape[1] % 2:
-            codes = np.concatenate([codes, np.zeros((codes.shape[0], 1), np.int8)], axis=1)
-        low = codes[:, 0::2].view(np.uint8) & np.uint8(0x0F)
-        high = codes[:, 1::2].view(np.uint8) << np.uint8(4)
-        out = host_io.aligned_empty((i1 - i0, p1 - p0), self.dtype)
-        out[...] = (low | high).view(np.int8)
+        (p0, p1), (i0, i1) = index
+        o0, o1 = 2 * p0, min(2 * p1, self.source.base[0])
+        codes = self.source.codes(o0, o1, i0, i1).view(np.uint8)  # (out, in)
+        out = host_io.aligned_empty((p1 - p0, i1 - i0), self.dtype)
+        packed = out.view(np.uint8)
+        np.bitwise_and(codes[0::2], np.uint8(0x0F), out=packed)
+        if codes.shape[0] > 1:
+            high = codes[1::2] << np.uint8(4)
+            packed[: high.shape[0]] |= high
         return out
 
     def read_nbytes(self, index: Index) -> int:
-        (i0, i1), (p0, p1) = index
-        return (i1 - i0) * (p1 - p0)
+        (p0, p1), (i0, i1) = index
+        return (p1 - p0) * (i1 - i0)
 
     def union_read_helps(self, indices: Any) -> bool:
         return False
@@ -189,7 +191,7 @@ def int4_variable_sources(tensor: QuantizedTensor, source: Int4Source, scale_dty
         )
     groups = scale_shape(tensor)
     out = {
-        id(tensor.values): _Values(source, values_shape(tensor)),
+        id(tensor.values): transforms.Transpose(_PackedRows(source), (1, 0)),
         id(tensor.scale): _Groups(source, groups, scale_dtype, zeros=False),
         id(tensor.zero): _Groups(source, groups, np.int8, zeros=True),
         id(tensor.group_index): _GroupIndex(source),
