@@ -548,10 +548,16 @@ def own_dtype_policies(model: Any) -> None:
             layer._dtype_policy = layer._dtype_policy[layer.path]
 
 
-def quantize_layer_structure(layer: Any, mode: str, float_shape: tuple[int, ...]) -> Any:
+def quantize_layer_structure(
+    layer: Any, mode: str, float_shape: tuple[int, ...], block_size: int | None = None
+) -> Any:
     """`layer.quantize(mode)` without values: Keras's checks, float variables
-    untracked (no `gc.collect()` as `del` runs), `quantized_build`, policy."""
-    config = _quantization_config.validate_and_resolve_config(mode, None)
+    untracked (no `gc.collect()` as `del` runs), `quantized_build`, policy;
+    int4 in groups of `block_size` (default: Keras's 128)."""
+    given = None
+    if mode == "int4" and block_size is not None:
+        given = _quantization_config.Int4QuantizationConfig(block_size=block_size)
+    config = _quantization_config.validate_and_resolve_config(mode, given)
     layer._check_quantize_args(config.mode, layer.compute_dtype)
     names = ["_embeddings" if hasattr(layer, "_embeddings") else "_kernel"]
     names += ["reverse_embeddings"] if getattr(layer, "reverse_embeddings", None) is not None else []

@@ -12,6 +12,13 @@ variable is a `TensorSource` that computes any block of the converted value
 from the bytes of that block alone. So the mapping cannot drift from
 KerasHub's: it is KerasHub's, replayed block-wise.
 
+Pre-quantized checkpoints (`quantization_config`: FP8, compressed-tensors,
+GPTQ, AWQ; `formats.prequantized`): a Linear weight the checkpoint holds
+quantized is served to the converter as a `formats.dequantize` source of its
+float value, block-wise; `load.quantized` then places int4 ones in Keras's
+int4 layers as they are. A method this package does not read is refused by
+`backbone_config`, naming it.
+
 Values the tracer cannot split into blocks:
 - gpt-oss MXFP4 experts (the converter's dequantization uses masked
   assignment): recognized by their `*_blocks` / `*_scales` tensors and read
@@ -51,7 +58,7 @@ import numpy as np
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError, UnconvertedWeightsWarning
 from keras_hub_dist.plan.presets import parse_json
-from keras_hub_dist.formats import hf_config_compat, keras_h5
+from keras_hub_dist.formats import hf_config_compat, keras_h5, prequantized
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
     IndexedVariable,
@@ -113,20 +120,8 @@ def checksum_metadata(location: Any, index_file: str = INDEX_FILE) -> dict[str, 
 
 
 def _check_quantization(config: Mapping[str, Any], label: str) -> None:
-    quantization = config.get("quantization_config")
-    if quantization is None:
-        return
-    method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
-    if config.get("model_type") == "gpt_oss" and method == "mxfp4":
-        return
-    raise PresetError(
-        f"The checkpoint {label!r} is quantized (quantization_config.quant_method="
-        f"{method!r}). Expected unquantized weights (or gpt-oss's MXFP4 experts, "
-        "which are dequantized on load). Received a quantized checkpoint, which "
-        "KerasHub's converter would read as garbage weights. Load the "
-        "unquantized checkpoint, and quantize the loaded model with "
-        "`model.quantize(...)` if needed."
-    )
+    # Refuses, naming it, a quant_method (or variant) that is not read.
+    prequantized.scheme(config, label)
 
 
 def _converter(config: Mapping[str, Any], label: str) -> Any:
@@ -209,10 +204,13 @@ class _Trace:
         self.read: set[str] = set()
         # gpt-oss MXFP4 names the checkpoint holds unquantized: name -> tensor.
         self.unquantized: dict[str, str] = {}
+        # Weights read from a pre-quantized checkpoint's quantized tensors.
+        self.quantized = 0
 
 
 def _tracing_loader(
-    label: str, files: SafetensorsCheckpoint, trace: _Trace, model_type: str
+    label: str, files: SafetensorsCheckpoint, trace: _Trace, model_type: str,
+    scheme: prequantized.Scheme | None = None,
 ) -> Any:
     """KerasHub's `SafetensorLoader`, serving `LazyArray`s (no tensor read).
 
@@ -235,6 +233,7 @@ def _tracing_loader(
             self.safetensor_files = {}
             self.prefix = None
             self.fname = None
+            self.all_tensors = {n: t for h in files.headers.values() for n, t in h.tensors.items()}
 
         def stored_key(self, hf_weight_key: str, names: Mapping[str, Any]) -> str:
             key = self.get_prefixed_key(hf_weight_key, names)
@@ -250,6 +249,9 @@ def _tracing_loader(
                 fname = weight_map.get(key)
                 if fname is None and key.endswith(("_blocks", "_scales")):  # unquantized gpt-oss
                     fname = weight_map.get(key.rsplit("_", 1)[0])
+                if fname is None and scheme is not None and key.endswith("weight"):  # packed int4
+                    base = key[: -len("weight")]
+                    fname = weight_map.get(base + "weight_packed") or weight_map.get(base + "qweight")
                 if fname is None:
                     in_files = [f for f, h in files.headers.items() if hf_weight_key in h.tensors]
                     raise _MissingTensor(
@@ -259,6 +261,14 @@ def _tracing_loader(
                     )
             header = files.headers.get(fname)
             name = self.stored_key(hf_weight_key, header.tensors) if header else hf_weight_key
+            if scheme is not None:
+                found = prequantized.dequantized_tensor(scheme, name, self.all_tensors)
+                if isinstance(found, str):
+                    raise _MissingTensor(found)
+                if found is not None:
+                    trace.read.update(found[0])
+                    trace.quantized += 1
+                    return LazyArray(found[1], frozenset({name}))
             if header is not None and name not in header.tensors:
                 standin = _unquantized_standin(name, header.tensors)
                 if standin is not None:
@@ -413,7 +423,7 @@ def _trace(
     # trace, that would be noise, and the library prints nothing.
     with (
         _recording_assignments(trace),
-        _tracing_loader(label, files, trace, model_type) as loader,
+        _tracing_loader(label, files, trace, model_type, prequantized.scheme(config, label)) as loader,
         contextlib.redirect_stdout(io.StringIO()),
     ):
         try:
@@ -477,6 +487,15 @@ def index_checkpoint(
     trace, saved = _trace(model, files, config, label)
 
     entries, unassigned, problems = [], [], list(trace.problems)
+    scheme = prequantized.scheme(config, label)
+    if scheme is not None and not trace.quantized and not problems:
+        problems.append(
+            f"config.json says the weights are quantized ({scheme.method}, {scheme.kind}), "
+            "but the checkpoint holds no quantized Linear weight (expected e.g. "
+            + ("8-bit float '*.weight' tensors" if scheme.kind == "fp8" else
+               "'*.weight_packed' or '*.qweight' tensors")
+            + "); every weight is stored in float"
+        )
     seen: set[int] = set()
     for variable in model.weights:
         if id(variable) in seen or id(variable) not in saved:

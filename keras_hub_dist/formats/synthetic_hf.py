@@ -11,6 +11,13 @@ Families: Gemma (`model_type="gemma"`) and Llama (`"llama"`), the ones the
 benchmarks and `keras-hub-dist validate --checkpoint_format huggingface` use.
 KerasHub's own converter reads the result (that is how tests check it).
 
+`quantization=` writes the projections pre-quantized, in the
+compressed-tensors layout `llmcompressor` writes (embeddings, norms and
+lm_head in `dtype`, as its recipes `ignore` them): `"fp8_block"` (FP8_BLOCK:
+e4m3 weights, float32 `weight_scale` per 128 x 128 block) or `"w4a16"`
+(W4A16: `weight_packed` int32, eight 4-bit values each along the input,
+`weight_scale` in `dtype` per group of 128, symmetric).
+
 Example:
 
 ```python
@@ -40,11 +47,16 @@ from keras_hub_dist.errors import PresetError
 from keras_hub_dist.formats.base import numpy_dtype
 from keras_hub_dist.formats.safetensors_files import INDEX_FILE, SINGLE_FILE
 
-__all__ = ["SUPPORTED_CLASSES", "hf_layout", "write_synthetic_hf_checkpoint"]
+__all__ = ["QUANTIZATIONS", "SUPPORTED_CLASSES", "hf_layout", "write_synthetic_hf_checkpoint"]
+
+QUANTIZATIONS = ("fp8_block", "w4a16")
+_PROJECTIONS = ("_proj.weight",)
+_GROUP = 128
 
 SUPPORTED_CLASSES = ("GemmaBackbone", "LlamaBackbone", "Llama3Backbone")
 _BAND_BYTES = 64 * 1024 * 1024
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_STORED = {"int32": "I32", "float8_e4m3fn": "F8_E4M3", **_SAFETENSORS_DTYPES}
 # Uniform on [-a, a] with standard deviation 0.02, as `formats.synthetic`.
 _HALF_WIDTH = 0.02 * math.sqrt(3.0)
 
@@ -106,12 +118,47 @@ def hf_layout(cls: type, config: Mapping[str, Any], dtype: str) -> tuple[dict, d
     return hf, shapes
 
 
-def _header(shapes: Mapping[str, tuple[int, ...]], dtype: str) -> bytes:
-    itemsize = numpy_dtype(dtype).itemsize
-    entries, offset = {"__metadata__": {"format": "pt"}}, 0
+def _quantized_shapes(
+    shapes: Mapping[str, tuple[int, ...]], dtype: str, quantization: str | None
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """`{tensor: (shape, dtype)}`, the projections quantized."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
     for name, shape in shapes.items():
-        size = math.prod(shape) * itemsize
-        entries[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+        if quantization is None or not name.endswith(_PROJECTIONS):
+            out[name] = (shape, dtype)
+            continue
+        rows, cols = shape
+        if quantization == "fp8_block":
+            out[name] = (shape, "float8_e4m3fn")
+            out[name + "_scale"] = ((-(-rows // _GROUP), -(-cols // _GROUP)), "float32")
+        else:
+            out[name + "_packed"] = ((rows, cols // 8), "int32")
+            out[name + "_scale"] = ((rows, cols // _GROUP), dtype)
+    return out
+
+
+def _quantization_config(quantization: str) -> dict[str, Any]:
+    if quantization == "fp8_block":
+        weights = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [_GROUP, _GROUP],
+                   "symmetric": True, "dynamic": False, "group_size": None, "actorder": None}
+        fmt = "float-quantized"
+    else:
+        weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": _GROUP,
+                   "symmetric": True, "dynamic": False, "block_structure": None, "actorder": None}
+        fmt = "pack-quantized"
+    return {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": None, "output_activations": None, "format": fmt}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
+    }
+
+
+def _header(shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> bytes:
+    entries, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (shape, dtype) in shapes.items():
+        size = math.prod(shape) * numpy_dtype(dtype).itemsize
+        entries[name] = {"dtype": _STORED[dtype], "shape": list(shape),
                          "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(entries, separators=(",", ":")).encode()
@@ -119,16 +166,26 @@ def _header(shapes: Mapping[str, tuple[int, ...]], dtype: str) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def _write_tensor(f: Any, name: str, shape: tuple[int, ...], dtype: np.dtype, seed: int, bar: Any) -> None:
+def _write_tensor(
+    f: Any, name: str, shape: tuple[int, ...], dtype: np.dtype, seed: int, bar: Any, quantization: str | None = None
+) -> None:
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     remaining = math.prod(shape)
     band = max(1, _BAND_BYTES // 4)
     while remaining:
         n = min(band, remaining)
-        values = rng.random(n, dtype=np.float32)
-        values *= 2 * _HALF_WIDTH
-        values -= _HALF_WIDTH
-        data = values.astype(dtype, copy=False)
+        if dtype == np.dtype(np.int32):  # packed 4-bit codes: any bits
+            data = rng.integers(0, 2**32, n, dtype=np.uint32).view(np.int32)
+        elif dtype.itemsize == 1:  # e4m3 codes over their whole range
+            data = (rng.random(n, dtype=np.float32) * 896.0 - 448.0).astype(dtype)
+        elif name.endswith("_scale"):  # weights of about the float ones' size
+            largest = 448.0 if quantization == "fp8_block" else 7.0
+            data = ((rng.random(n, dtype=np.float32) + 0.5) * (_HALF_WIDTH / largest)).astype(dtype)
+        else:
+            values = rng.random(n, dtype=np.float32)
+            values *= 2 * _HALF_WIDTH
+            values -= _HALF_WIDTH
+            data = values.astype(dtype, copy=False)
         f.write(data.view(np.uint8))
         bar.update(data.nbytes)
         remaining -= n
@@ -144,6 +201,7 @@ def write_synthetic_hf_checkpoint(
     shard_bytes: int = 5 * 10**9,
     overwrite: bool = False,
     progress: bool | None = None,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     """Writes a Hugging Face checkpoint of a KerasHub backbone config.
 
@@ -157,6 +215,8 @@ def write_synthetic_hf_checkpoint(
             (`transformers` uses 5 GB); one file gets no index.
         overwrite: Replace an existing `out_dir`.
         progress: Show a progress bar (default: when stderr is a terminal).
+        quantization: `None`, or one of `QUANTIZATIONS`: the projections
+            pre-quantized in compressed-tensors' layout.
 
     Returns:
         The config.json written.
@@ -169,7 +229,14 @@ def write_synthetic_hf_checkpoint(
         raise PresetError(
             f"Expected dtype in {sorted(_SAFETENSORS_DTYPES)}. Received: dtype={dtype!r}."
         )
-    hf_config, shapes = hf_layout(cls, config, dtype)
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise PresetError(
+            f"Expected quantization in {list(QUANTIZATIONS)} or None. Received: quantization={quantization!r}."
+        )
+    hf_config, float_shapes = hf_layout(cls, config, dtype)
+    if quantization is not None:
+        hf_config["quantization_config"] = _quantization_config(quantization)
+    shapes = _quantized_shapes(float_shapes, dtype, quantization)
     if os.path.exists(out_dir):
         if not overwrite:
             raise PresetError(
@@ -177,26 +244,25 @@ def write_synthetic_hf_checkpoint(
             )
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)
-    itemsize = numpy_dtype(dtype).itemsize
-    files: list[dict[str, tuple[int, ...]]] = [{}]
+    files: list[dict[str, tuple[tuple[int, ...], str]]] = [{}]
     size = 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * itemsize
+    for name, (shape, stored) in shapes.items():
+        nbytes = math.prod(shape) * numpy_dtype(stored).itemsize
         if files[-1] and size + nbytes > shard_bytes:
             files.append({})
             size = 0
-        files[-1][name] = shape
+        files[-1][name] = (shape, stored)
         size += nbytes
     names = [SINGLE_FILE] if len(files) == 1 else [
         f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))
     ]
-    total = sum(math.prod(s) for s in shapes.values()) * itemsize
+    total = sum(math.prod(s) * numpy_dtype(d).itemsize for s, d in shapes.values())
     with byte_progress(total, "Writing synthetic HF checkpoint", progress) as bar:
         for fname, part in zip(names, files):
             with open(os.path.join(out_dir, fname), "wb") as f:
-                f.write(_header(part, dtype))
-                for name, shape in part.items():
-                    _write_tensor(f, name, shape, numpy_dtype(dtype), seed, bar)
+                f.write(_header(part))
+                for name, (shape, stored) in part.items():
+                    _write_tensor(f, name, shape, numpy_dtype(stored), seed, bar, quantization)
     if len(files) > 1:
         weight_map = {name: fname for fname, part in zip(names, files) for name in part}
         with open(os.path.join(out_dir, INDEX_FILE), "w") as f:

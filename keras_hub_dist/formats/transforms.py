@@ -392,6 +392,9 @@ def reshape(source: TensorSource, shape: Sequence[int]) -> TensorSource:
         )
     if shape == tuple(source.shape):
         return source
+    reshaped = getattr(source, "reshaped", None)  # a source that reshapes itself
+    if reshaped is not None and (own := reshaped(shape)) is not None:
+        return own
     if source.stored is not None and tuple(source.stored.shape) == tuple(source.shape):  # its bytes exactly
         return view(source.stored, shape, source.description)
     if isinstance(source, Cast):

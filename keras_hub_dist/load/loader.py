@@ -398,8 +398,12 @@ def _load_from(
         else:
             resolved_map = user_layout_map(layout_map, device_mesh)
         float_map = resolved_map
-        if mode is not None and not quantization.quantized_tensors(backbone):
+        if mode in (None, "int4") and not quantization.quantized_tensors(backbone):
+            # A pre-quantized int4 checkpoint: its codes, 4 bits on the device.
+            quantizing = quantized.prequantized_checkpoint(backbone, index)
+        if quantizing is None and mode is not None and not quantization.quantized_tensors(backbone):
             quantizing = quantized.quantize_checkpoint(backbone, index, mode)
+        if quantizing is not None:
             index, deferred = quantizing.index, quantizing.pending(deferred)
         resolved_map = quantized.quantized_layout_map(backbone, resolved_map, float_map)
         distribution = QuantizationAwareModelParallel(

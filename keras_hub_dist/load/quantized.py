@@ -41,6 +41,7 @@ from keras_hub_dist.errors import QuantizationError
 from keras_hub_dist.formats.base import CheckpointIndex, IndexedVariable, numpy_dtype
 from keras_hub_dist.quantize.quantizer import TensorQuantizer, group_index_source, slab_buffers
 from keras_hub_dist.quantize.combine import combine_statistics, sharding_blocks
+from keras_hub_dist.quantize import prequantized
 from keras_hub_dist.load.block_plan import LoadPlan
 from keras_hub_dist.plan import quantization
 from keras_hub_dist.plan.layouts import ReportingLayoutMap
@@ -48,6 +49,7 @@ from keras_hub_dist.plan.quantized_layouts import add_quantized_entries
 
 __all__ = [
     "QuantizedLoad",
+    "prequantized_checkpoint",
     "preset_config",
     "quantize_checkpoint",
     "quantized_layout_map",
@@ -172,6 +174,36 @@ def quantize_checkpoint(backbone: keras.Model, index: CheckpointIndex, mode: str
             entries.append(by_variable[id(variable)])
     loaded.index = dataclasses.replace(index, entries=tuple(entries))
     return loaded
+
+
+def prequantized_checkpoint(backbone: keras.Model, index: CheckpointIndex) -> QuantizedLoad | None:
+    """A pre-quantized int4 checkpoint (GPTQ, AWQ, compressed-tensors) into
+    Keras's int4 layers: each `Dense` / `EinsumDense` whose kernel is a
+    checkpoint's int4 weight gets Keras's int4 structure in the checkpoint's
+    groups, and its variables the checkpoint's codes, scales, zero points and
+    group index as they are (`quantize.prequantized`); `None` when no kernel
+    is one. Kernels the converter maps otherwise load dequantized."""
+    found = prequantized.int4_kernels(backbone, index)
+    if not found:
+        return None
+    result = quantization.quantize_without_values(
+        backbone, "int4", {path: block for path, (_, block) in found.items()}
+    )
+    by_variable = {id(e.variable): e for e in index.entries}
+    derived: dict[int, Any] = {}
+    for tensor in result.tensors:
+        scale_dtype = numpy_dtype(tensor.scale.dtype)
+        derived.update(prequantized.int4_variable_sources(tensor, found[tensor.layer_path][0], scale_dtype))
+    entries = []
+    for variable in backbone.weights:
+        if id(variable) in derived:
+            entries.append(IndexedVariable(
+                variable.path, tuple(int(d) for d in variable.shape),
+                numpy_dtype(variable.dtype), derived[id(variable)], variable,
+            ))
+        elif id(variable) in by_variable:
+            entries.append(by_variable[id(variable)])
+    return QuantizedLoad(dataclasses.replace(index, entries=tuple(entries)), result, {})
 
 
 def quantized_layout_map(

@@ -387,12 +387,16 @@ def scale_shape(tensor: QuantizedTensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def quantize_without_values(model: keras.Model, mode: str) -> QuantizedModel:
+def quantize_without_values(
+    model: keras.Model, mode: str, layers: dict[str, int] | None = None
+) -> QuantizedModel:
     """`model.quantize(mode)` on a model whose variables have no value yet.
 
     Each layer `Model.quantize` would quantize gets Keras's own quantized
     variables (created without values, so nothing is allocated) and dtype
     policy; its float variables are dropped before any value exists.
+    `layers` (`{layer path: int4 block size}`): only those layers, each in
+    its own groups (a pre-quantized checkpoint's).
 
     Raises:
         QuantizationError: A layer this Keras would quantize that is none of
@@ -404,6 +408,8 @@ def quantize_without_values(model: keras.Model, mode: str) -> QuantizedModel:
     skipped: list[str] = []
     for layer in _compat.leaf_layers(model):
         kind = _layer_kind(layer)
+        if layers is not None and (kind is None or layer.path not in layers):
+            continue
         if kind is None:
             if _quantizes_itself(layer):
                 raise QuantizationError(
@@ -419,7 +425,9 @@ def quantize_without_values(model: keras.Model, mode: str) -> QuantizedModel:
         floats = _float_tensors(layer, kind, _layer_info(layer, kind))
         float_variables = [_own_variable(layer, which) for which, _ in floats]
         with _compat.creating_variables_without_values() as new:
-            _compat.quantize_layer_structure(layer, mode, floats[0][1])
+            _compat.quantize_layer_structure(
+                layer, mode, floats[0][1], None if layers is None else layers[layer.path]
+            )
         described = _describe(layer, kind, mode, float_variables)
         for tensor in described:
             _check_shapes(tensor)

@@ -241,10 +241,18 @@ def test_model_type_kerashub_cannot_convert(tmp_path, clean_state):
     assert all(t in message for t in ("llama", "gemma3", "qwen3_moe", "gpt_oss"))
 
 
-@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "awq", "fp8"])
-def test_quantized_checkpoint_is_refused(tmp_path, clean_state, method):
+@pytest.mark.parametrize("method", ["bitsandbytes", "hqq", "eetq", "gguf"])
+def test_quantization_method_not_read_is_refused(tmp_path, clean_state, method):
     path = _write(tmp_path, edit_config=lambda c: c.update(quantization_config={"quant_method": method}))
-    _load_fails(path, clean_state, f"quantized \\(quantization_config.quant_method='{method}'\\).*not|Expected unquantized")
+    message = _load_fails(path, clean_state, f"quantized with quant_method='{method}': this method is not read")
+    assert all(m in message for m in ("'fp8'", "'compressed-tensors'", "'gptq'", "'awq'", "'mxfp4'"))
+
+
+def test_quantized_config_over_float_weights_is_refused(tmp_path, clean_state):
+    """config.json says FP8, the files hold float weights: no silent float load."""
+    quantization = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    path = _write(tmp_path, edit_config=lambda c: c.update(quantization_config=quantization))
+    _load_fails(path, clean_state, "says the weights are quantized \\(fp8, fp8\\).*no quantized Linear weight")
 
 
 def test_no_weights_at_all(tmp_path, clean_state):
