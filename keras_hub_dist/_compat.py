@@ -548,9 +548,7 @@ def own_dtype_policies(model: Any) -> None:
             layer._dtype_policy = layer._dtype_policy[layer.path]
 
 
-def quantize_layer_structure(
-    layer: Any, mode: str, float_shape: tuple[int, ...], block_size: int | None = None
-) -> Any:
+def quantize_layer_structure(layer: Any, mode: str, float_shape: tuple[int, ...], block_size: int | None = None) -> Any:
     """`layer.quantize(mode)` without values: Keras's checks, float variables
     untracked (no `gc.collect()` as `del` runs), `quantized_build`, policy;
     int4 in groups of `block_size` (default: Keras's 128)."""
