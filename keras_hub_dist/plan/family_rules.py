@@ -346,6 +346,29 @@ _KERAS_HUB_EXTRAS: dict[str, Callable[[str, str], Rules]] = {
 }
 
 
+def gemma_residual_rules(model: str, data: str) -> Rules:
+    """Gemma's hidden-width norm scales on the model axis (module doc).
+
+    The pre / post attention and FFN norms (and Gemma 4's
+    `post_per_layer_input_norm`) of every decoder block and the final norm,
+    all `(hidden,)`; the per-head q/k norms `(head_dim,)` stay replicated.
+    """
+    del data
+    return {
+        "decoder_block_\\d+/(pre|post)_\\w+_norm/scale": (model,),
+        "final_normalization/scale": (model,),
+    }
+
+
+# The residual stream's rules, added to the map of every family of a
+# convention (see module doc: "The residual stream").
+_RESIDUAL_RULES: dict[str, Callable[[str, str], Rules]] = {
+    "gemma": gemma_residual_rules,
+    "gemma3": gemma_residual_rules,
+    "gemma4": gemma_residual_rules,
+}
+
+
 def hand_written_families() -> list[str]:
     """Families whose map comes from this module (no KerasHub map)."""
     return sorted(_FAMILY_RULES)
@@ -364,9 +387,10 @@ def extra_rules(family: str | None, model: str, data: str) -> Rules:
     table; KerasHub's maps leave it replicated.
     """
     rules: Rules = {"token_embedding/reverse_embeddings": (data, model)}
-    extra = _KERAS_HUB_EXTRAS.get(family or "")
-    if extra is not None:
-        rules.update(extra(model, data))
+    for table in (_RESIDUAL_RULES, _KERAS_HUB_EXTRAS):
+        extra = table.get(family or "")
+        if extra is not None:
+            rules.update(extra(model, data))
     return rules
 
 
