@@ -1,4 +1,4 @@
-"""Attention split on heads, and rematerialization: XLA temporaries per device.
+"""Layouts against stock, attention on heads, remat: XLA temporaries per device.
 
 Compile only (`compiled.memory_analysis()`), on abstract models (no weight
 allocated), N simulated CPU devices:
@@ -15,8 +15,15 @@ allocated), N simulated CPU devices:
   `fit` step at batch x train_len, without rematerialization and with each
   mode in `--remat_modes`; the per-layer figure is 2 layers minus 1 layer.
 
-    python benchmarks/bench_head_layouts.py                    # both, 1x8
+- stock: per named architecture x job x mesh, `plan_memory(stock=True)`
+  (KerasHub's own map and generate; for a family KerasHub has no map for,
+  this package's map without the residual-stream rules) against ours
+  (`plan_memory(stock=False)`): XLA temporaries and total per device, the
+  causal LM's whole step (logits and loss included), `--layers` layers.
+
+    python benchmarks/bench_head_layouts.py                    # heads, remat, 1x8
     python benchmarks/bench_head_layouts.py --only heads --mesh 2x4
+    python benchmarks/bench_head_layouts.py --only stock --names gemma_7b_en,llama3_8b_en
 
 Measured (2026-11-27, XLA:CPU, jax 0.10.2, Keras 3.15.1, mesh 1x8):
 
@@ -38,7 +45,14 @@ import time
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("heads", "remat"), default=None)
+    parser.add_argument("--only", choices=("heads", "remat", "stock"), default=None)
+    parser.add_argument(
+        "--names", default="gemma_7b_en,gemma2_9b_en,gemma3_4b_text,llama3_8b_en",
+        help="stock: the named architectures to plan (comma-separated)",
+    )
+    parser.add_argument("--meshes", default="1x8,2x4,8x1", help="stock: meshes")
+    parser.add_argument("--jobs", default="fit,generate", help="stock: jobs")
+    parser.add_argument("--layers", type=int, default=1, help="stock: num_layers")
     parser.add_argument("--mesh", default="1x8", help="batch x model")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--train_len", type=int, default=512)
@@ -59,8 +73,61 @@ def _parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def stock_table(args: argparse.Namespace) -> None:
+    """Per architecture x job x mesh: `plan_memory(stock=True)` against ours.
+
+    Stock is KerasHub's own map (the backbone's `get_layout_map`) and its own
+    generate; for the families KerasHub has no map for (Gemma 3 / 4, ...)
+    it is this package's map without `family_rules`' residual-stream rules
+    (the map before they were added).
+    """
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import keras_hub_dist
+    from keras_hub_dist.plan import family_rules
+
+    residual = dict(family_rules._RESIDUAL_RULES)
+    print(
+        f"stock vs ours: {args.layers} layer(s), bf16, fit {args.batch} x "
+        f"{args.train_len} ({args.optimizer}), generate {args.batch} x "
+        f"{args.gen_len}; XLA per device (MiB), compile only"
+    )
+    print(f"  {'architecture':16s} {'job':9s} {'mesh':5s} {'stock temp':>11s} "
+          f"{'ours temp':>10s} {'ratio':>6s} {'stock total':>12s} {'ours total':>11s} {'ratio':>6s}")
+    for name in args.names.split(","):
+        for job in args.jobs.split(","):
+            for mesh in args.meshes.split(","):
+                shape = tuple(int(n) for n in mesh.split("x"))
+                plans = {}
+                for stock in (True, False):
+                    family_rules._RESIDUAL_RULES.clear()
+                    if not stock:
+                        family_rules._RESIDUAL_RULES.update(residual)
+                    with _quiet_keras_hub_warnings():
+                        plans[stock] = keras_hub_dist.plan_memory(
+                            name, shape, job=job, num_layers=args.layers,
+                            dtype="bfloat16", batch_size=args.batch,
+                            sequence_length=args.train_len if job == "fit" else args.gen_len,
+                            optimizer=args.optimizer, stock=stock, alternatives=False,
+                        )
+                old, new = plans[True], plans[False]
+                print(
+                    f"  {name:16s} {job:9s} {mesh:5s} {old.temp_bytes / 2**20:11,.0f} "
+                    f"{new.temp_bytes / 2**20:10,.0f} {new.temp_bytes / old.temp_bytes:5.2f}x "
+                    f"{old.total_bytes / 2**20:12,.0f} {new.total_bytes / 2**20:11,.0f} "
+                    f"{new.total_bytes / old.total_bytes:5.2f}x",
+                    flush=True,
+                )
+    family_rules._RESIDUAL_RULES.update(residual)
+
+
 def main() -> None:
     args = _parse()
+    if args.only == "stock":
+        os.environ.setdefault("KERAS_BACKEND", "jax")
+        stock_table(args)
+        return
     shape = tuple(int(n) for n in args.mesh.split("x"))
     os.environ["XLA_FLAGS"] = (
         f"--xla_force_host_platform_device_count={shape[0] * shape[1]}"

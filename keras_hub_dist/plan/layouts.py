@@ -7,7 +7,12 @@ map with the same conventions for those that lack one (`family_rules`: Gemma
 Mixtral and gpt-oss follow Llama's). Untied output embeddings
 (`token_embedding/reverse_embeddings`), which KerasHub's maps leave
 replicated, are sharded like the input table, and Qwen 3 MoE's expert banks,
-which KerasHub's map leaves replicated, are added.
+which KerasHub's map leaves replicated, are added. Gemma's hidden-width norm
+scales (every Gemma family), which KerasHub's map leaves replicated, go on
+the model axis: that keeps the residual stream split over it, and with it
+the activations a fit step keeps for its backward pass (Gemma-7B width, fit
+8 x 512 on (1, 8): 0.59x KerasHub's temporaries per decoder block;
+`family_rules`, docs/layouts.md).
 
 Mixture-of-Experts banks (Mixtral, Qwen 3 / 3.5 MoE, gpt-oss, Gemma 4
 26B-A4B) are split along the expert axis, which keeps each expert's matmuls
@@ -380,7 +385,9 @@ def get_layout_map(
     Uses KerasHub's own `get_layout_map` where the backbone class has one,
     and the same conventions otherwise (Gemma 3 / 4: Gemma's; Qwen 3,
     Mistral, Qwen 3.5 (+ MoE), Mixtral, gpt-oss: Llama's; see
-    `family_rules`). Given shapes (a model or named architecture), every
+    `family_rules`), plus `family_rules.extra_rules` (untied output
+    embeddings, Gemma's norm scales on the model axis, Qwen 3 MoE's
+    expert banks). Given shapes (a model or named architecture), every
     variable's layout is validated from shapes alone (no weight is
     allocated); where a mesh axis does not divide a dimension it is moved to
     another dimension of that variable or dropped (replicated), with an

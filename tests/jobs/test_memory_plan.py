@@ -74,8 +74,11 @@ def test_fit_plan_equals_the_real_train_step(gemma_preset, mesh):
 )
 def test_generate_plan_equals_the_real_generate(gemma_preset, mesh, stock):
     plan = plan_memory(gemma_preset, mesh, job="generate", stock=stock, prompt_chunk=4, **PLAN)
+    # Stock: KerasHub's own map, as a stock user passes it (ours splits the
+    # norm scales too: family_rules.gemma_residual_rules).
     lm = keras_hub_dist.load_sharded_preset(
-        gemma_preset, mesh=mesh, task="causal_lm", prompt_chunk=None if stock else 4
+        gemma_preset, mesh=mesh, task="causal_lm", prompt_chunk=None if stock else 4,
+        layout_map=keras_hub.models.GemmaBackbone.get_layout_map if stock else None,
     )
     if stock:
         keras_hub_dist.shard_generate(lm, prompt_chunk=None, shard_batch=False)
