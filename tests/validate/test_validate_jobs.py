@@ -6,7 +6,7 @@ import json
 import keras
 import pytest
 
-from keras_hub_dist.jobs.memory_plan import REMAT_MODES
+from keras_hub_dist.plan.remat import REMAT_MODES
 from keras_hub_dist.validate import cli
 from keras_hub_dist.validate import job_worker
 from keras_hub_dist.validate import options as _options
