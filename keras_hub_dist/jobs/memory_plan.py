@@ -49,6 +49,7 @@ from keras_hub_dist.errors import PlanError
 from keras_hub_dist.formats import huggingface
 from keras_hub_dist.jobs import programs
 from keras_hub_dist.jobs.abstract_job import AbstractJob, abstract_job, sharding_of
+from keras_hub_dist.load.generate import check_prompt_chunk
 from keras_hub_dist.plan import presets
 from keras_hub_dist.plan.build import remat_scope
 from keras_hub_dist.plan.mesh import axis_sizes, device_mesh
@@ -326,6 +327,10 @@ def plan_memory(
     _device_count_check(mesh)
     sizes = axis_sizes(device_mesh(mesh, abstract=True))
     _check(job, batch_size, sequence_length, lora_rank, remat, sizes)
+    try:
+        check_prompt_chunk(prompt_chunk)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
     if job == "fit":
         try:
             programs.optimizer_for(optimizer)
@@ -341,7 +346,7 @@ def plan_memory(
         sequence_length=sequence_length,
         optimizer=(optimizer if isinstance(optimizer, str) else type(optimizer).__name__) if job == "fit" else None,
         lora_rank=lora_rank,
-        remat=remat,
+        remat=getattr(remat, "mode", remat),  # a RematScope by its mode, for JSON
         quantize=quantize,
         dtype=dtype,
         num_layers=num_layers,

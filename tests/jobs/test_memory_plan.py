@@ -165,6 +165,7 @@ def test_a_job_that_does_not_fit_plans_what_would(gemma_preset):
         (dict(remat="everything"), PlanError, "Received: remat='everything'"),
         (dict(mesh=(2, 8)), PlanError, "Expected at least 16 devices"),
         (dict(sequence_length=0), PlanError, "Received: sequence_length=0"),
+        (dict(job="generate", prompt_chunk=0), PlanError, "Received: prompt_chunk=0"),
     ],
 )
 def test_bad_inputs_fail_before_anything_is_built(kwargs, error, text, monkeypatch):
