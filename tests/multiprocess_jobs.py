@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests import worker_zygote
+
 TIME_LIMIT_S = 240
 # A worker exits with this when the platform cannot run a multi-process job.
 UNSUPPORTED = 77
@@ -48,6 +50,8 @@ def simulate_cpu_devices(local_devices):
     os.environ["KERAS_BACKEND"] = "jax"
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.modules.setdefault("tensorflow", None)  # `import tensorflow` raises ImportError
+    # Keras imports matplotlib.pyplot when it is installed (0.6-0.9 s a start).
+    sys.modules.setdefault("matplotlib", None)
 
     from tests.compile_cache import write_entries_atomically
 
@@ -86,11 +90,10 @@ def run_job(worker, num_processes, local_devices, args, out_dir):
     port = free_port()
     env = child_env()
     procs = [
-        subprocess.Popen(
+        worker_zygote.spawn(
             [sys.executable, str(worker), str(i), str(num_processes), str(port),
              str(local_devices), *map(str, args)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            start_new_session=True,
+            env=env,
         )
         for i in range(num_processes)
     ]
@@ -187,11 +190,10 @@ def run_lost_process_job(worker, args, out_dir, victim=1, heartbeat_s=5, limit_s
 
     port = free_port()
     procs = [
-        subprocess.Popen(
+        worker_zygote.spawn(
             [sys.executable, str(worker), str(i), "2", str(port), "4", *map(str, args), str(out_dir),
              str(heartbeat_s), str(victim)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(),
-            start_new_session=True,
+            env=child_env(),
         )
         for i in range(2)
     ]

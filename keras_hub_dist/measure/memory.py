@@ -32,7 +32,7 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -42,6 +42,11 @@ from keras_hub_dist.measure.host_rss import (
     current_rss_bytes,
     host_peak_rss_bytes,
     reset_host_peak_rss,
+)
+from keras_hub_dist.measure.live_bytes import (
+    LiveTally,
+    live_bytes_per_device,
+    prune_shard_cache,
 )
 
 __all__ = [
@@ -54,88 +59,6 @@ __all__ = [
     "reset_host_peak_rss",
 ]
 
-# A live array's shard list never changes until it is deleted, so the
-# (device, buffer pointer, bytes) triples are computed once per array; the
-# sampler thread then pays one dict lookup per array and sample.
-_ShardEntries = tuple[tuple[int, Any, int], ...]
-_shard_cache: dict[int, tuple[weakref.ref, _ShardEntries]] = {}
-_shard_cache_lock = threading.Lock()
-
-
-def _shard_entries(array: jax.Array) -> _ShardEntries:
-    key = id(array)
-    cached = _shard_cache.get(key)
-    if cached is not None and cached[0]() is array:
-        return cached[1]
-    entries = []
-    for index, shard in enumerate(array.addressable_shards):
-        data = shard.data
-        try:
-            pointer: Any = data.unsafe_buffer_pointer()
-        except Exception:  # noqa: BLE001 - platforms without raw pointers
-            pointer = (key, index)
-        entries.append((int(shard.device.id), pointer, int(data.nbytes)))
-        del data
-    entries_tuple = tuple(entries)
-    try:
-        ref = weakref.ref(array)
-    except TypeError:  # pragma: no cover - arrays always support weakrefs
-        return entries_tuple
-    with _shard_cache_lock:
-        _shard_cache[key] = (ref, entries_tuple)
-    return entries_tuple
-
-
-def _prune_shard_cache() -> None:
-    with _shard_cache_lock:
-        dead = [k for k, (ref, _) in _shard_cache.items() if ref() is None]
-        for k in dead:
-            del _shard_cache[k]
-
-
-def live_bytes_per_device(
-    arrays: Iterable[jax.Array] | None = None,
-    devices: Sequence[Any] | None = None,
-) -> dict[int, int]:
-    """Bytes of live `jax.Array` shards per device id.
-
-    Each array contributes each of its addressable shards' `nbytes` to the
-    shard's device; a buffer held by several arrays (a shard's `.data`, an
-    array assembled with `jax.make_array_from_single_device_arrays` from
-    arrays still alive) is counted once. Deleted (or donated) arrays count
-    nothing.
-
-    Args:
-        arrays: The arrays to count; default: `jax.live_arrays()`.
-        devices: Devices always present in the result (with 0 bytes when
-            empty); default: `jax.local_devices()`.
-
-    Returns:
-        A dict from `device.id` to bytes.
-
-    Example:
-
-    >>> x = jax.device_put(jnp.zeros((8, 4)), jax.devices()[0])
-    >>> live_bytes_per_device()[jax.devices()[0].id] >= 128
-    True
-    """
-    if devices is None:
-        devices = jax.local_devices()
-    totals = {int(d.id): 0 for d in devices}
-    seen: set[tuple[int, Any]] = set()
-    for array in jax.live_arrays() if arrays is None else arrays:
-        try:
-            if array.is_deleted():
-                continue
-            entries = _shard_entries(array)
-        except Exception:  # noqa: BLE001 - deleted by another thread meanwhile
-            continue
-        for device_id, pointer, nbytes in entries:
-            if (device_id, pointer) in seen:
-                continue
-            seen.add((device_id, pointer))
-            totals[device_id] = totals.get(device_id, 0) + nbytes
-    return totals
 
 
 def device_memory_stats(device: Any) -> dict[str, int] | None:
@@ -352,6 +275,7 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watches: list[Any] = []
+        self._tally = LiveTally(self.devices)
         self._t0 = 0.0
         self._running = False
 
@@ -377,7 +301,7 @@ class MemorySampler:
         with self._lock:
             opened = list(self._windows)
             closed = {id(w) for w in opened if w.done()}
-        live = live_bytes_per_device(devices=self.devices)
+        live = self._tally.count()
         live = {d: live.get(d, 0) for d in self.device_ids}
         now = time.perf_counter() - self._t0
         rss = current_rss_bytes()
@@ -418,7 +342,7 @@ class MemorySampler:
                 continue
             count += 1
             if count % 500 == 0:
-                _prune_shard_cache()
+                prune_shard_cache()
 
     def _program(self, executable: Any, name: str | None) -> tuple[int, list[int]]:
         # Keeping the executable alive keeps its id unique while we hold it.
@@ -542,7 +466,8 @@ class MemorySampler:
         self._windows = []
         self._programs.clear()
         self._running = False
-        _prune_shard_cache()
+        self._tally = LiveTally(self.devices)  # lets go of its weak references
+        prune_shard_cache()
 
     # -- summaries --------------------------------------------------------
 

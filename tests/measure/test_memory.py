@@ -113,6 +113,34 @@ def test_deleted_and_dropped_arrays_disappear():
     assert _delta(memory.live_bytes_per_device(), before)[0] == 0
 
 
+def test_live_tally_equals_a_fresh_walk_through_churn():
+    """The sampler's incremental count equals `live_bytes_per_device()` after
+    every kind of change: new arrays, shared buffers, deletion, donation
+    (the freed buffer reused by the output), arrays freed and their ids
+    reused by new arrays of other sizes."""
+    from keras_hub_dist.measure.live_bytes import LiveTally
+
+    tally = LiveTally(jax.local_devices())
+    steps = []
+    keep = [_full_on_device0(256, 256)]
+    steps.append(tally.count() == memory.live_bytes_per_device())
+    mesh = _mesh((2, 4))
+    sharded = jax.device_put(np.ones((64, 64), np.float32), NamedSharding(mesh, PartitionSpec("batch", "model")))
+    views = [s.data for s in sharded.addressable_shards]  # the same buffers again
+    steps.append(tally.count() == memory.live_bytes_per_device())
+    keep[0].delete()
+    steps.append(tally.count() == memory.live_bytes_per_device())
+    donated = jax.jit(lambda x: x * 2, donate_argnums=0)(sharded)
+    steps.append(tally.count() == memory.live_bytes_per_device())
+    del views, sharded
+    for rows in (8, 300, 17, 1024):  # ids freed and reused, other sizes each time
+        keep = [_full_on_device0(rows, 64) for _ in range(3)]
+        steps.append(tally.count() == memory.live_bytes_per_device())
+    del keep, donated
+    steps.append(tally.count() == memory.live_bytes_per_device())
+    assert all(steps), steps
+
+
 def test_explicit_arrays_argument():
     x = _full_on_device0(256, 256)
     counted = memory.live_bytes_per_device([x, x])
