@@ -227,9 +227,13 @@ def _tracing_loader(
         def __init__(self) -> None:  # noqa: D107 - see above
             contextlib.ExitStack.__init__(self)
             self.preset = label
+            # The names KerasHub's key (and prefix) search sees: with the
+            # `*.weight` of each weight a pre-quantized checkpoint holds packed.
+            names = prequantized.with_packed_weights if scheme is not None else dict
             self.safetensor_config = (
-                None if files.weight_map is None else {"weight_map": dict(files.weight_map)}
+                None if files.weight_map is None else {"weight_map": names(files.weight_map)}
             )
+            self.header_names = {f: names(h.tensors) for f, h in files.headers.items()}
             self.safetensor_files = {}
             self.prefix = None
             self.fname = None
@@ -249,9 +253,6 @@ def _tracing_loader(
                 fname = weight_map.get(key)
                 if fname is None and key.endswith(("_blocks", "_scales")):  # unquantized gpt-oss
                     fname = weight_map.get(key.rsplit("_", 1)[0])
-                if fname is None and scheme is not None and key.endswith("weight"):  # packed int4
-                    base = key[: -len("weight")]
-                    fname = weight_map.get(base + "weight_packed") or weight_map.get(base + "qweight")
                 if fname is None:
                     in_files = [f for f, h in files.headers.items() if hf_weight_key in h.tensors]
                     raise _MissingTensor(
@@ -260,7 +261,7 @@ def _tracing_loader(
                         + (f" (it is in {in_files[0]!r}; the index is stale)" if in_files else "")
                     )
             header = files.headers.get(fname)
-            name = self.stored_key(hf_weight_key, header.tensors) if header else hf_weight_key
+            name = self.stored_key(hf_weight_key, self.header_names[fname]) if header else hf_weight_key
             if scheme is not None:
                 found = prequantized.dequantized_tensor(scheme, name, self.all_tensors)
                 if isinstance(found, str):

@@ -37,7 +37,7 @@ from keras_hub_dist.formats.dequantize import (
     GptqSource,
 )
 
-__all__ = ["SUPPORTED_METHODS", "Scheme", "dequantized_tensor", "scheme"]
+__all__ = ["SUPPORTED_METHODS", "Scheme", "dequantized_tensor", "scheme", "with_packed_weights"]
 
 SUPPORTED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "mxfp4 (gpt-oss)")
 _SUPPORTED = (
@@ -181,6 +181,20 @@ def scheme(config: Mapping[str, Any], label: str) -> Scheme | None:
             raise _refuse(label, method, "zero_point=false (only AWQ with zero points is read)")
         return Scheme("awq", "int4", group_size=size, symmetric=False, zero_offset=0, label=label)
     raise _refuse(label, method, "this method is not read")
+
+
+def with_packed_weights(names: Mapping[str, Any]) -> dict[str, Any]:
+    """`names` (a weight map or a file's tensors) and, for each int4 weight
+    stored packed (`*.weight_packed`, `*.qweight`), the `*.weight` it stands
+    for, with the packed entry's value: a converter's key search (KerasHub's
+    prefix guess, `model.` before `layers.0...`) then finds the weights the
+    checkpoint holds only packed."""
+    out = dict(names)
+    for name, value in names.items():
+        for suffix in ("weight_packed", "qweight"):
+            if name.endswith(suffix):
+                out.setdefault(name[: -len(suffix)] + "weight", value)
+    return out
 
 
 def _problem(name: str, s: Scheme, what: str) -> str:

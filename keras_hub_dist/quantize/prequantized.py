@@ -10,7 +10,9 @@ act-order `g_idx` as it is), dequantized as `(q - zero) * scale`. A Linear
 weight `W` `(out, in)` fills `M = W.T` when KerasHub's converter maps it so
 (Llama, Qwen, Mistral: every projection); `int4_kernels` finds those by
 asking the traced source of each kernel, reshaped to `M`, whether it is
-`transpose(W)` of a `formats.dequantize.Int4Source`. Other kernels (a
+`transpose(W)` of a `formats.dequantize.Int4Source`, float casts aside (the
+load's dtype, and Mistral's converter's float16: the layer holds the
+checkpoint's values, dequantized in the compute dtype). Other kernels (a
 converter that scrambles the groups, e.g. Gemma's query kernels) load
 dequantized, in the float dtype.
 
@@ -36,7 +38,7 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.formats import transforms
-from keras_hub_dist.formats.base import CheckpointIndex, Index, TensorSource
+from keras_hub_dist.formats.base import CheckpointIndex, Index, TensorSource, is_float
 from keras_hub_dist.formats.dequantize import Int4Source
 from keras_hub_dist.plan.quantization import QuantizedTensor, scale_shape
 from keras_hub_dist.storage import host_io
@@ -89,16 +91,20 @@ def int4_kernels(backbone: Any, index: CheckpointIndex) -> dict[str, tuple[Int4S
             m = transforms.reshape(entry.source, matrix)
         except ValueError:
             continue
-        if isinstance(m, transforms.Cast):
-            m = m.child
-        if (
-            isinstance(m, transforms.Transpose)
-            and m.perm == (1, 0)
-            and isinstance(m.child, Int4Source)
-            and tuple(m.child.shape) == m.child.base
-        ):
-            found[layer.path] = (m.child, m.child.group_size)
+        m = _uncast(m)
+        weight = _uncast(m.child) if isinstance(m, transforms.Transpose) and m.perm == (1, 0) else None
+        if isinstance(weight, Int4Source) and tuple(weight.shape) == weight.base:
+            found[layer.path] = (weight, weight.group_size)
     return found
+
+
+def _uncast(source: TensorSource) -> TensorSource:
+    """`source` less its float casts (the load's dtype; a converter's own
+    `astype`, as Mistral's float16): the int4 layer holds the checkpoint's
+    values, dequantized in the compute dtype."""
+    while isinstance(source, transforms.Cast) and is_float(source.dtype) and source.dtype.itemsize >= 2:
+        source = source.child
+    return source
 
 
 class _PackedRows(TensorSource):

@@ -512,13 +512,13 @@ def hf_round_trip_differences(
 
 
 def _weight_specs(cls: type, config: Mapping[str, Any], dtype: str) -> list[tuple[str, tuple]]:
-    """`(path, shape)` of every weight, from a model built without values."""
+    """`(path, shape)` of every weight (less build counters: `moe_2`), built without values."""
     from keras_hub_dist.plan.abstract import abstract_backbone
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         built = abstract_backbone(serialized_config(cls, {**config, "dtype": dtype}))
-    return sorted((v.path, tuple(v.shape)) for v in built.variables)
+    return sorted(("/".join(p.rstrip("0123456789_") for p in v.path.split("/")), tuple(v.shape)) for v in built.variables)
 
 
 def hf_checkpoint_dtype(class_name: str, dtype: str | None, preset: str) -> str:

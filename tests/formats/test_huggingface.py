@@ -313,8 +313,8 @@ def test_synthetic_hf_checkpoint_is_read_by_stock_and_loads_equal(tmp_path, cls_
         assert _bitwise_equal(ref.value, var.value), ref.path
     with pytest.raises(PresetError, match="exists"):
         write_synthetic_hf_checkpoint(path, cls, config)
-    with pytest.raises(PresetError, match="No Hugging Face layout for MixtralBackbone"):
-        write_synthetic_hf_checkpoint(str(tmp_path / "x"), keras_hub.models.MixtralBackbone, config)
+    with pytest.raises(PresetError, match="No Hugging Face layout for GptOssBackbone"):
+        write_synthetic_hf_checkpoint(str(tmp_path / "x"), keras_hub.models.GptOssBackbone, config)
 
 
 def _byte_level_tokenizer(path, vocab_size):

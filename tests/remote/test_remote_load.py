@@ -171,3 +171,49 @@ def test_convert_from_a_remote_source_equals_the_local_conversion(checkpoints, r
     for name, (nbytes, metadata_reads, _) in _weight_files(local).items():
         sent = remote.bytes_sent(name, process=0)
         assert nbytes <= sent <= nbytes * 1.01 + metadata_reads * 64 * 1024, (name, sent, nbytes)
+
+
+def test_prequantized_w4a16_from_s3_verified_equals_the_local_load(tmp_path, remote_checkpoint):
+    """A pre-quantized W4A16 (compressed-tensors) Qwen 3 checkpoint in a
+    bucket: `verify=True` checks the files against the checksums recorded in
+    its index, and the load (Keras int4 layers holding the checkpoint's
+    codes) is bitwise the local one's."""
+    import json
+
+    from keras_hub_dist import write_synthetic_hf_checkpoint
+    from keras_hub_dist.formats import checksums
+    from tests.formats.test_prequantized_families import FAMILIES
+
+    cls, config, _ = FAMILIES["qwen3"]
+    local = str(tmp_path / "qwen3_w4a16")
+    write_synthetic_hf_checkpoint(local, cls, config, dtype="bfloat16", quantization="w4a16",
+                                  shard_bytes=40_000, progress=False)
+    files = sorted(n for n in os.listdir(local) if n.endswith(".safetensors"))
+    assert len(files) > 1
+    with open(os.path.join(local, safetensors_files.INDEX_FILE)) as f:
+        index = json.load(f)
+    index["metadata"][checksums.METADATA_KEY] = {"checksums": {
+        n: checksums.file_checksum(os.path.join(local, n)).to_json() for n in files}}
+    with open(os.path.join(local, safetensors_files.INDEX_FILE), "w") as f:
+        json.dump(index, f)
+    remote = remote_checkpoint(local, schemes=["s3"])["s3"]
+    reference = load_sharded_preset(local, mesh=(2, 4), verify=True, progress=False)
+    keras.distribution.set_distribution(None)
+    remote.server.clear()
+    model = load_sharded_preset(remote.url, mesh=(2, 4), verify=True, progress=False)
+    keras.distribution.set_distribution(None)
+    modes = {layer.quantization_mode for layer in model._flatten_layers()
+             if getattr(layer, "quantization_mode", None)}
+    assert modes == {"int4"}
+    loaded, expected = _weights(model), _weights(reference)
+    assert len(loaded) == len(expected)
+    for (path, value), (name, want) in zip(loaded, expected):
+        assert path == name and value.dtype == want.dtype, path
+        assert value.sharding.is_equivalent_to(want.sharding, value.ndim), path
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(want), err_msg=path)
+    # verify=True hashed every remote file, then the load read its tensors'
+    # bytes (a group's scales may be read twice) and the header (one
+    # speculative 64 KiB read).
+    for name in files:
+        size, sent = os.path.getsize(os.path.join(local, name)), remote.bytes_sent(name, process=0)
+        assert 2 * size <= sent <= 2 * size * 1.02 + 64 * 1024, (name, size, sent)

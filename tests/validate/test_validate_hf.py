@@ -146,26 +146,27 @@ def test_hf_checkpoint_dtype_is_checked():
 
 
 def test_checkpoint_format_huggingface_without_hf_layout_is_a_clear_error(capsys):
-    # Qwen 3 has no Hugging Face layout in `formats.synthetic_hf`: refused
+    # Qwen 3.5 has no Hugging Face layout in `formats.synthetic_hf`: refused
     # before any process starts, with exit status 2 (bad flags).
     code = cli.main(
-        ["validate", "--preset", "qwen3_0.6b_en", "--num_layers", "1", "--phases", "load",
+        ["validate", "--preset", "qwen3_5_4b", "--num_layers", "1", "--phases", "load",
          "--checkpoint_format", "huggingface", "--quiet"]
     )
     assert code == 2
     err = capsys.readouterr().err
     assert "keras-hub-dist validate: error: --checkpoint_format huggingface cannot write" in err
-    assert "no Hugging Face layout for its backbone class Qwen3Backbone" in err
+    assert "no Hugging Face layout for its backbone class Qwen3_5Backbone" in err
     assert "Expected an architecture whose class is one of" in err
-    assert "Received: --preset qwen3_0.6b_en (Qwen3Backbone)" in err
+    assert "Received: --preset qwen3_5_4b (Qwen3_5Backbone)" in err
     assert "Use --checkpoint_format keras" in err
     assert "Traceback" not in err
 
 
 def test_hf_layout_that_changes_the_weights_is_a_clear_error(tmp_path):
-    # Gemma 2 is a GemmaBackbone, but Gemma's HF layout (model_type "gemma")
-    # would read back without its post-attention / post-FFW norms.
-    overrides = {**TINY_HF_GEMMA, "num_key_value_heads": 8}
+    # Gemma 2's HF layout (model_type "gemma2") has both the post-attention
+    # and the post-FFW norms; a GemmaBackbone with only the latter is written
+    # in Gemma's, which would read back without it.
+    overrides = {**TINY_HF_GEMMA, "num_key_value_heads": 8, "use_post_attention_norm": False}
     with pytest.raises(ValueError, match="cannot write 'gemma2_2b_en' faithfully") as info:
         _validate_worker.run_task(
             {"task": "write_preset", "preset": "gemma2_2b_en", "overrides": overrides,
