@@ -33,6 +33,16 @@ def child_env(**extra):
     return env
 
 
+def command_env():
+    """`child_env()` for a command the test runs whole (the validation
+    command and the case processes it starts), with TensorFlow hidden from
+    every one of its processes (tests/without_tensorflow/sitecustomize.py)."""
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "without_tensorflow")
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def simulate_cpu_devices(local_devices):
     """In a worker, before anything imports JAX: `local_devices` simulated
     CPU devices and the JAX backend of Keras, TensorFlow hidden, and JAX

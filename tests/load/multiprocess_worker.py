@@ -143,7 +143,7 @@ def main() -> None:
         def to_global(x, replicated=replicated):
             return jax.make_array_from_callback(x.shape, replicated, lambda i: x[i])
 
-        token_ids = (np.arange(16, dtype="int32").reshape(2, 8) * 7) % 256
+        token_ids = (np.arange(16, dtype="int32").reshape(2, 8) * 7) % 64  # every vocabulary here
         inputs = {
             "token_ids": to_global(token_ids),
             "padding_mask": to_global(np.ones_like(token_ids)),

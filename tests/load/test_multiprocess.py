@@ -88,6 +88,10 @@ def hf_preset(tmp_path_factory):
 # checkpoint is loaded too, after the KerasHub preset (None: not loaded;
 # True: with every kernel transposed on the devices, as large ones are).
 # One job per row: each process starts Python, JAX, Keras and KerasHub once.
+# A compressed-tensors W4A16 checkpoint (llmcompressor's, tests/data) is
+# loaded last by the job of PREQUANTIZED_JOB.
+PREQUANTIZED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "prequantized", "ct_w4a16")
+PREQUANTIZED_JOB = (2, 4, "1x8")
 JOBS = {(2, 4, "1x8"): False, (2, 4, "2x4"): True, (4, 2, "1x8"): None}
 
 
@@ -104,6 +108,8 @@ def jobs(tiny_preset, hf_preset, tmp_path_factory):
             if JOBS[key] is not None:
                 loads.append({"name": "huggingface", "preset": hf_preset[0],
                               "device_transpose_min_bytes": 0 if JOBS[key] else None})
+            if key == PREQUANTIZED_JOB:
+                loads.append({"name": "prequantized", "preset": PREQUANTIZED})
             out_dir = tmp_path_factory.mktemp(f"mp_{num_processes}_{mesh}")
             reports = run_job(WORKER, num_processes, local_devices,
                               [mesh, out_dir, json.dumps(loads)], out_dir)
@@ -120,7 +126,7 @@ def _reference_logits(preset, mesh):
     batch, model = (int(x) for x in mesh.split("x"))
     backbone = keras_hub_dist.load_sharded_preset(preset, mesh=(batch, model),
                                                   progress=False)
-    token_ids = (np.arange(16, dtype="int32").reshape(2, 8) * 7) % 256
+    token_ids = (np.arange(16, dtype="int32").reshape(2, 8) * 7) % 64  # every vocabulary here
     outputs = backbone({"token_ids": token_ids, "padding_mask": np.ones_like(token_ids)})
     return np.asarray(outputs)
 
@@ -229,4 +235,31 @@ def test_hugging_face_checkpoint_each_process_reads_only_its_share(
     reference = _reference_logits(preset, mesh)
     for process_id in range(2):
         logits = np.load(out_dir / f"logits_huggingface_{process_id}.npy")
+        np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_prequantized_checkpoint_each_process_reads_only_its_share(jobs):
+    """A pre-quantized (int4, compressed-tensors) checkpoint over 2
+    processes: each reads less than the file and under half of it plus
+    the group scales some of its blocks share with the other's, the job
+    reads each tensor byte once (a group's scales at most twice), and both
+    compute the single-process logits, int4 layers and all."""
+    out_dir, reports = jobs(*PREQUANTIZED_JOB)
+    reports = reports["prequantized"]
+    with open(os.path.join(PREQUANTIZED, "model.safetensors"), "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    # Every tensor but compressed-tensors' `weight_shape` records (the
+    # config's shapes say the same).
+    data_bytes = sum(
+        end - start for name, t in header.items() if name != "__metadata__"
+        and not name.endswith("weight_shape") for start, end in [t["data_offsets"]]
+    )
+    read = [sum(n for _, n in report["reads"]) for report in reports]
+    assert all(r < 0.75 * data_bytes for r in read), (read, data_bytes)
+    job_reads = [(o, o + n) for report in reports for o, n in report["reads"]]
+    assert sum(b - a for a, b in merge_ranges(job_reads)) == data_bytes, (merge_ranges(job_reads), data_bytes)
+    assert data_bytes <= sum(read) <= 1.01 * data_bytes, (read, data_bytes)
+    reference = _reference_logits(PREQUANTIZED, PREQUANTIZED_JOB[2])
+    for process_id in range(2):
+        logits = np.load(out_dir / f"logits_prequantized_{process_id}.npy")
         np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)

@@ -16,7 +16,7 @@ from keras_hub_dist.validate import report as _report_mod
 from keras_hub_dist.validate import runner as _runner
 from keras_hub_dist.validate import schema as _schema
 from keras_hub_dist.validate import worker as _validate_worker
-from tests.multiprocess_jobs import child_env
+from tests.multiprocess_jobs import command_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 KIB = 1024
@@ -376,7 +376,7 @@ def test_worker_ours_init_has_no_device0_spike(tiny_preset):
 
 def test_cli_end_to_end_budget_json_and_plot(tmp_path, tiny_preset):
     json_path, plot_path = tmp_path / "report.json", tmp_path / "memory.png"
-    env = child_env()  # the tool sets the device count itself
+    env = command_env()  # the tool sets the device count itself
     proc = subprocess.run(
         [
             sys.executable, "-m", "keras_hub_dist.validate.cli", "validate",

@@ -20,7 +20,7 @@ from keras_hub_dist.validate import report as _report_mod
 from keras_hub_dist.validate import runner as _runner
 from keras_hub_dist.validate import schema as _schema
 from keras_hub_dist.validate import worker as _validate_worker
-from tests.multiprocess_jobs import child_env
+from tests.multiprocess_jobs import command_env
 
 KIB = 1024
 
@@ -47,7 +47,7 @@ def _override_flags(config):
 
 
 def _run_cli(args, timeout=600):
-    env = child_env()  # the tool sets the device count itself
+    env = command_env()  # the tool sets the device count itself
     return subprocess.run(
         [sys.executable, "-m", "keras_hub_dist.validate.cli", "validate", *args],
         env=env, capture_output=True, text=True, timeout=timeout, check=False,
