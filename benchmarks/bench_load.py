@@ -130,6 +130,31 @@ def _weights_bytes(preset: str) -> int:
     return sum(os.path.getsize(f) for f in _weights_files(preset))
 
 
+def loaded_memory(arrays, preset: str, rss0: int, sampler) -> dict:
+    """The memory figures of a loaded model's `arrays` (bench_quantize,
+    bench_prequantized): their bytes, per device, the preset's weights
+    bytes, host RSS from `rss0` to its peak and, with a `sampler`, each
+    device's peak and final over its start."""
+    from keras_hub_dist.measure import memory
+
+    result = {
+        "model_bytes": sum(a.nbytes for a in arrays),
+        "weights_per_device": {str(k): v for k, v in memory.live_bytes_per_device(arrays).items()},
+        "file_bytes": _weights_bytes(preset),
+        "host_rss_start": rss0,
+        "host_rss_peak": max(memory.host_peak_rss_bytes(), memory.current_rss_bytes()),
+    }
+    if sampler is not None:
+        start_per_device = sampler.start_per_device
+        result["peak_per_device"] = {
+            str(d): p - start_per_device.get(d, 0) for d, p in sampler.peak_per_device.items()
+        }
+        result["final_per_device"] = {
+            str(d): f - start_per_device.get(d, 0) for d, f in sampler.final_per_device.items()
+        }
+    return result
+
+
 def _case_floor(args, huge_pages: bool) -> dict:
     import numpy as np
 

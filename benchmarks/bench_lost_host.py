@@ -46,40 +46,6 @@ class _Stopped(Exception):
     pass
 
 
-def _presets(root: pathlib.Path) -> tuple[str, str]:
-    import keras_hub
-
-    from keras_hub_dist import write_synthetic_preset
-
-    tiny = write_synthetic_preset(
-        str(root / "tiny"), keras_hub.models.LlamaBackbone, dtype="float32", tokenizer=True, seed=3,
-        vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8, hidden_dim=64,
-        intermediate_dim=128)
-    parts = write_synthetic_preset(
-        str(root / "parts"), keras_hub.models.Llama3Backbone, dtype="float32", seed=7,
-        vocabulary_size=40_000, num_layers=1, num_query_heads=8, num_key_value_heads=8, hidden_dim=128,
-        intermediate_dim=256)
-    return tiny, parts
-
-
-def _checkpoint(root: pathlib.Path, preset: str) -> str:
-    """A weights-only Orbax checkpoint of the tiny backbone, written by
-    `keras.callbacks.OrbaxCheckpoint` as at the end of an epoch."""
-    import keras
-
-    import keras_hub_dist
-
-    directory = root / "checkpoint"
-    backbone = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), progress=False)
-    backbone.compile(optimizer=keras.optimizers.SGD())  # its state is not saved (weights only)
-    callback = keras.callbacks.OrbaxCheckpoint(str(directory), save_weights_only=True, save_on_background=False)
-    callback.set_model(backbone)
-    callback.on_epoch_end(0)
-    callback.on_train_end()
-    keras.distribution.set_distribution(None)
-    return str(directory)
-
-
 def _left(phase: str, target: str) -> str:
     if phase == "save":
         parent = pathlib.Path(target).parent
@@ -116,8 +82,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         root = pathlib.Path(tmp)
-        tiny, parts = _presets(root)
-        checkpoint = _checkpoint(root, tiny) if "restore" in args.phases else None
+        tiny, parts = jobs.lost_process_presets(root)
+        checkpoint = jobs.weights_only_checkpoint(root, tiny) if "restore" in args.phases else None
         s3 = stack.enter_context(stores.MotoS3()) if "s3" in args.phases else None
         for phase in args.phases.split(","):
             for victim in map(int, args.victims.split(",")):

@@ -77,26 +77,13 @@ def _case(args) -> dict:
             sampler.sample()
     modes = sorted({str(getattr(layer, "quantization_mode", None)) for layer in model._flatten_layers()
                     if getattr(layer, "quantization_mode", None)})
-    result = {
+    return {
         "wall_s": wall,
         "cpu_s": cpu,
         "modes": modes,
         "read_bytes": report.bytes_read,
-        "model_bytes": sum(a.nbytes for a in arrays),
-        "weights_per_device": {str(k): v for k, v in memory.live_bytes_per_device(arrays).items()},
-        "file_bytes": bench_load._weights_bytes(args.preset),
-        "host_rss_start": rss0,
-        "host_rss_peak": max(memory.host_peak_rss_bytes(), memory.current_rss_bytes()),
+        **bench_load.loaded_memory(arrays, args.preset, rss0, sampler),
     }
-    if sampler is not None:
-        start_per_device = sampler.start_per_device
-        result["peak_per_device"] = {
-            str(d): p - start_per_device.get(d, 0) for d, p in sampler.peak_per_device.items()
-        }
-        result["final_per_device"] = {
-            str(d): f - start_per_device.get(d, 0) for d, f in sampler.final_per_device.items()
-        }
-    return result
 
 
 def _write(path: str, quantization: str | None, num_layers: int) -> None:

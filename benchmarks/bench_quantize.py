@@ -81,25 +81,12 @@ def _case(args) -> dict:
         cpu = bench_load._cpu_seconds() - cpu0
         if sampler is not None:
             sampler.sample()
-    result = {
+    return {
         "wall_s": wall,
         "cpu_s": cpu,
         "error": error,
-        "model_bytes": sum(a.nbytes for a in arrays),
-        "weights_per_device": {str(k): v for k, v in memory.live_bytes_per_device(arrays).items()},
-        "file_bytes": bench_load._weights_bytes(args.preset),
-        "host_rss_start": rss0,
-        "host_rss_peak": max(memory.host_peak_rss_bytes(), memory.current_rss_bytes()),
+        **bench_load.loaded_memory(arrays, args.preset, rss0, sampler),
     }
-    if sampler is not None:
-        start_per_device = sampler.start_per_device
-        result["peak_per_device"] = {
-            str(d): p - start_per_device.get(d, 0) for d, p in sampler.peak_per_device.items()
-        }
-        result["final_per_device"] = {
-            str(d): f - start_per_device.get(d, 0) for d, f in sampler.final_per_device.items()
-        }
-    return result
 
 
 def _row(name: str, timed: list[dict], mem: list[dict], plain: dict | None) -> str:

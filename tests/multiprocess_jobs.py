@@ -188,6 +188,46 @@ def block_byte_ranges(dataset, block):
                   for e in elements)
 
 
+def lost_process_presets(root):
+    """The presets of the lost-process jobs (tests/remote/test_lost_process.py,
+    benchmarks/bench_lost_host.py), written under `root`: a tiny Llama with
+    its tokenizer, and a one-block Llama 3 of over 20 MiB (S3 parts of
+    5 MiB, some uploaded by each process). Returns their paths."""
+    import keras_hub
+
+    from keras_hub_dist import write_synthetic_preset
+
+    tiny = write_synthetic_preset(
+        str(root / "tiny"), keras_hub.models.LlamaBackbone, dtype="float32", tokenizer=True, seed=3,
+        vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8, hidden_dim=64,
+        intermediate_dim=128)
+    parts = write_synthetic_preset(
+        str(root / "parts"), keras_hub.models.Llama3Backbone, dtype="float32", seed=7,
+        vocabulary_size=40_000, num_layers=1, num_query_heads=8, num_key_value_heads=8, hidden_dim=128,
+        intermediate_dim=256)
+    return tiny, parts
+
+
+def weights_only_checkpoint(root, preset):
+    """A weights-only Orbax checkpoint of `preset` in `root/checkpoint`,
+    written by `keras.callbacks.OrbaxCheckpoint` as at the end of an epoch
+    (no fit), for the lost-process restores. Returns its path."""
+    import keras
+
+    import keras_hub_dist
+
+    directory = root / "checkpoint"
+    keras.distribution.set_distribution(None)
+    backbone = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), progress=False)
+    backbone.compile(optimizer=keras.optimizers.SGD())  # its state is not saved (weights only)
+    callback = keras.callbacks.OrbaxCheckpoint(str(directory), save_weights_only=True, save_on_background=False)
+    callback.set_model(backbone)
+    callback.on_epoch_end(0)
+    callback.on_train_end()
+    keras.distribution.set_distribution(None)
+    return str(directory)
+
+
 def run_lost_process_job(worker, args, out_dir, victim=1, heartbeat_s=5, limit_s=TIME_LIMIT_S):
     """Runs the 2-process x 4-device job of `worker`
     (tests/remote/lost_process_worker.py) with `args` (PRESET PHASE TARGET),

@@ -14,14 +14,13 @@ import sys
 import warnings
 
 import keras
-import keras_hub
 import pytest
 
 import keras_hub_dist
-from keras_hub_dist import StaleStagingWarning, write_synthetic_preset
+from keras_hub_dist import StaleStagingWarning
 from keras_hub_dist.save import remote_publish
 from keras_hub_dist.storage import uploads
-from tests.multiprocess_jobs import run_lost_process_job
+from tests.multiprocess_jobs import lost_process_presets, run_lost_process_job, weights_only_checkpoint
 
 WORKER = pathlib.Path(__file__).with_name("lost_process_worker.py")
 HEARTBEAT_S = 4
@@ -36,33 +35,12 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ne
 @pytest.fixture(scope="module")
 def presets(tmp_path_factory):
     root = tmp_path_factory.mktemp("lost_process")
-    tiny = write_synthetic_preset(
-        str(root / "tiny"), keras_hub.models.LlamaBackbone, dtype="float32", tokenizer=True, seed=3,
-        vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8, hidden_dim=64,
-        intermediate_dim=128)
-    # Over 20 MiB: S3 parts of 5 MiB, some uploaded by each process.
-    parts = write_synthetic_preset(
-        str(root / "parts"), keras_hub.models.Llama3Backbone, dtype="float32", seed=7,
-        vocabulary_size=40_000, num_layers=1, num_query_heads=8, num_key_value_heads=8, hidden_dim=128,
-        intermediate_dim=256)
-    return root, tiny, parts
+    return (root, *lost_process_presets(root))
 
 
 def _checkpoint(root, preset):
-    """An Orbax checkpoint (weights only) of the tiny backbone, written by
-    `keras.callbacks.OrbaxCheckpoint` as at the end of an epoch (no fit)."""
     directory = root / "checkpoint"
-    if not directory.exists():
-        keras.distribution.set_distribution(None)
-        backbone = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), progress=False)
-        callback = keras.callbacks.OrbaxCheckpoint(str(directory), save_weights_only=True,
-                                                   save_on_background=False)
-        backbone.compile(optimizer=keras.optimizers.SGD())  # its state is not saved (weights only)
-        callback.set_model(backbone)
-        callback.on_epoch_end(0)
-        callback.on_train_end()
-        keras.distribution.set_distribution(None)
-    return str(directory)
+    return str(directory) if directory.exists() else weights_only_checkpoint(root, preset)
 
 
 @pytest.mark.parametrize("phase", ["load", "save", "s3", "restore"])
