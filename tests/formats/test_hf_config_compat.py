@@ -204,20 +204,55 @@ def _unnumbered(path):
     return re.sub(r"_\d+(?=/|$)", "", path)
 
 
-@pytest.mark.parametrize("case,mesh", _load_cases(), ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
-def test_fixture_checkpoint_loads_bitwise_equal_to_stock_of_the_renamed_back_one(case, mesh, tmp_path):
+# The first mesh each case loads on above: the tests below that only check
+# what stock does with the fixture, and which model we build, reuse that load.
+_MESH = {}
+for _case, _mesh in _load_cases():
+    _MESH.setdefault(_case, _mesh)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("transformers5"))
+
+
+@functools.cache
+def _fixture_checkpoint(workdir, case):
+    """The fixture's config and tensors (gpt-oss experts in MXFP4), written
+    once per case: every test of the case reads the same files.
+    Returns (path, values, config.json as written)."""
     config, _ = _fixture(case)
-    shapes = _tensor_shapes(case, quantized_experts=True)
-    values = _values(shapes)
-    ours_dir = write_hf_checkpoint(str(tmp_path / "transformers5"), config, values)
-    original = open(os.path.join(ours_dir, "config.json")).read()
+    values = _values(_tensor_shapes(case, quantized_experts=True))
+    path = write_hf_checkpoint(os.path.join(workdir, case, "transformers5"), config, values)
+    with open(os.path.join(path, "config.json")) as f:
+        return path, values, f.read()
+
+
+@functools.cache
+def _stock_of_renamed_back(workdir, case):
+    """Stock `from_preset` of the same weights with the config and tensor
+    names renamed back: one per case, for all its meshes (it does not depend
+    on the mesh)."""
+    _, values, _ = _fixture_checkpoint(workdir, case)
     stock_dir = write_hf_checkpoint(
-        str(tmp_path / "stock"), compatible_config(config, case),
+        os.path.join(workdir, case, "stock"), compatible_config(_fixture(case)[0], case),
         {_stock_name(case, n): v for n, v in values.items()},
     )
+    return keras_hub.models.Backbone.from_preset(stock_dir)
 
-    stock = keras_hub.models.Backbone.from_preset(stock_dir)
-    model, report = load_sharded_preset(ours_dir, mesh=mesh, memory_report=True, progress=False)
+
+@functools.cache
+def _ours(workdir, case, mesh):
+    """Our sharded load of the fixture checkpoint, once per (case, mesh)."""
+    path, _, _ = _fixture_checkpoint(workdir, case)
+    return load_sharded_preset(path, mesh=mesh, memory_report=True, progress=False)
+
+
+@pytest.mark.parametrize("case,mesh", _load_cases(), ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_fixture_checkpoint_loads_bitwise_equal_to_stock_of_the_renamed_back_one(case, mesh, workdir):
+    ours_dir, values, original = _fixture_checkpoint(workdir, case)
+    stock = _stock_of_renamed_back(workdir, case)
+    model, report = _ours(workdir, case, mesh)
 
     assert open(os.path.join(ours_dir, "config.json")).read() == original  # file untouched
     assert type(model) is type(stock)
@@ -241,13 +276,15 @@ _STOCK_FAILURE = {
 
 
 @pytest.mark.parametrize("case", sorted(_STOCK_FAILURE))
-def test_stock_fails_on_the_fixture_checkpoint_where_we_load(case, tmp_path):
+def test_stock_fails_on_the_fixture_checkpoint_where_we_load(case, workdir):
     config, _ = _fixture(case)
-    path = write_hf_checkpoint(str(tmp_path / case), config, _values(_tensor_shapes(case, True)))
+    path, _, _ = _fixture_checkpoint(workdir, case)
     error, text = _STOCK_FAILURE[case]
     with pytest.raises(error, match=re.escape(text)):
         keras_hub.models.Backbone.from_preset(path)
-    model = load_sharded_preset(path, mesh=(1, 8), progress=False)
+    # Our load of these same files (on the case's mesh above; which model it
+    # builds does not depend on the mesh).
+    model, _ = _ours(workdir, case, _MESH[case])
     assert type(model).__name__ == huggingface.backbone_config(config, case)[0].__name__
 
 
@@ -256,12 +293,11 @@ def test_stock_fails_on_the_fixture_checkpoint_where_we_load(case, tmp_path):
     ("gpt_oss", "rope_scaling_factor", 1.0, 32.0),
 ])
 def test_stock_loads_the_fixture_checkpoint_silently_with_another_rope(
-    case, attribute, stock_value, value, tmp_path
+    case, attribute, stock_value, value, workdir
 ):
-    config, _ = _fixture(case)
-    path = write_hf_checkpoint(str(tmp_path / case), config, _values(_tensor_shapes(case, True)))
+    path, _, _ = _fixture_checkpoint(workdir, case)
     stock = keras_hub.models.Backbone.from_preset(path)
-    model = load_sharded_preset(path, mesh=(2, 4), progress=False)
+    model, _ = _ours(workdir, case, _MESH[case])  # the same files' load above
     assert getattr(stock, attribute) == stock_value
     assert getattr(model, attribute) == value
 

@@ -28,10 +28,20 @@ def llama_checkpoint(seed=0):
     return dense.hf_checkpoint("llama", tied=False, dtype="float32", seed=seed)
 
 
-@pytest.fixture
-def llama_dir(tmp_path):
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """Written once for the module: no test writes into it."""
     config, tensors = llama_checkpoint()
-    return write_hf_checkpoint(str(tmp_path / "llama"), config, tensors, num_shards=2)
+    return write_hf_checkpoint(str(tmp_path_factory.mktemp("hf") / "llama"), config, tensors, num_shards=2)
+
+
+@functools.cache
+def _stock(path, dtype=None):
+    """Stock `Backbone.from_preset(path, dtype=dtype)`, built once for the
+    module's tests of the same files and dtype (it does not depend on the
+    mesh, nor on what a test patches in our loader: each test takes it
+    before patching)."""
+    return keras_hub.models.Backbone.from_preset(path, dtype=dtype)
 
 
 def _bitwise_equal(a, b):
@@ -43,7 +53,7 @@ def _bitwise_equal(a, b):
 
 @pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
 def test_each_device_reads_only_its_block_and_memory_stays_at_the_floor(llama_dir, mesh_shape):
-    reference = keras_hub.models.Backbone.from_preset(llama_dir)
+    reference = _stock(llama_dir)
     model, report = load_sharded_preset(
         llama_dir, mesh=mesh_shape, memory_report=True, progress=False
     )
@@ -70,6 +80,7 @@ def test_large_transposes_run_on_the_device_bitwise_equal(llama_dir, mesh_shape,
     from keras_hub_dist.storage import host_io
     from keras_hub_dist.load import block_plan, execute, loader
 
+    reference = _stock(llama_dir, dtype)
     monkeypatch.setattr(block_plan, "DEVICE_TRANSPOSE_MIN_BYTES", 0)  # every block
     # Every host buffer is one the pool may take back once its values are
     # consumed (by a transpose, or by a cast to bfloat16) and hand out again;
@@ -83,7 +94,6 @@ def test_large_transposes_run_on_the_device_bitwise_equal(llama_dir, mesh_shape,
     monkeypatch.setattr(
         execute, "_transposer", lambda perm, sharding: calls.append(perm) or transposer(perm, sharding)
     )
-    reference = keras_hub.models.Backbone.from_preset(llama_dir, dtype=dtype)
     model, report = load_sharded_preset(
         llama_dir, mesh=mesh_shape, dtype=dtype, memory_report=True, progress=False
     )
@@ -116,6 +126,7 @@ def _header_bytes(path):
 def test_hf_handle_from_the_cache(llama_dir, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
+    reference = _stock(llama_dir)
     cache = tmp_path / "hub"
     snapshot = cache / "models--someone--tiny-llama" / "snapshots" / ("a" * 40)
     shutil.copytree(llama_dir, snapshot)
@@ -123,7 +134,6 @@ def test_hf_handle_from_the_cache(llama_dir, tmp_path, monkeypatch):
     (cache / "models--someone--tiny-llama" / "refs" / "main").write_text("a" * 40)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    reference = keras_hub.models.Backbone.from_preset(llama_dir)
     model = load_sharded_preset("hf://someone/tiny-llama", mesh=(2, 4), progress=False)
     for ref, var in zip(reference.weights, model.weights):
         assert _bitwise_equal(ref.value, var.value), ref.path
@@ -132,6 +142,7 @@ def test_hf_handle_from_the_cache(llama_dir, tmp_path, monkeypatch):
 def test_a_hook_without_block_form_falls_back_and_is_named(llama_dir, monkeypatch):
     from keras_hub.src.utils.transformers import convert_llama3
 
+    reference = _stock(llama_dir)  # stock's own converter, unpatched
     original = convert_llama3.convert_weights
 
     def convert_weights(backbone, loader, config):
@@ -147,7 +158,6 @@ def test_a_hook_without_block_form_falls_back_and_is_named(llama_dir, monkeypatc
         return original(backbone, loader, config)
 
     monkeypatch.setattr(convert_llama3, "convert_weights", convert_weights)
-    reference = keras_hub.models.Backbone.from_preset(llama_dir)
     model, report = load_sharded_preset(llama_dir, memory_report=True, progress=False)
     assert len(report.fallbacks) == 1
     assert "transformer_layer_1/feedforward_output_dense/kernel" in report.fallbacks[0]
