@@ -1,5 +1,6 @@
 """`load_sharded_preset`: equals stock `from_preset`, no spike, clear errors."""
 
+import functools
 import gc
 import json
 import os
@@ -33,6 +34,15 @@ FAMILIES = {
 PROMPTS = ["the quick brown fox", "w1 w2 w3", "over the lazy dog", "a"] * 2
 
 
+def _forward(backbone, inputs):
+    """The backbone's outputs, jitted: one compilation per model and mesh
+    (the same program on the same mesh comes from the compilation cache),
+    not one per eager op and sharding."""
+    forward = jax.jit(lambda t, n, x: backbone.stateless_call(t, n, x)[0])
+    return np.asarray(forward([v.value for v in backbone.trainable_variables],
+                              [v.value for v in backbone.non_trainable_variables], inputs))
+
+
 @pytest.fixture(scope="module")
 def family_presets(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
@@ -57,19 +67,28 @@ def stock_reference(family_presets):
         lm.compile(sampler="greedy")
         inputs = lm.preprocessor.generate_preprocess(PROMPTS, sequence_length=8)
         inputs = {k: np.asarray(v) for k, v in inputs.items()}
-        logits = np.asarray(lm.backbone(inputs))
+        logits = _forward(lm.backbone, inputs)
         lm.preprocessor = None
         tokens = np.asarray(lm.generate(inputs, stop_token_ids=None)["token_ids"])
         refs[name] = (inputs, logits, tokens)
     return refs
 
 
-@pytest.fixture
-def gemma_preset(tmp_path):
-    """A backbone preset written by stock `save_to_preset` (float32)."""
+@pytest.fixture(scope="module")
+def stock_saved_gemma(tmp_path_factory):
     keras.utils.set_random_seed(3)
     backbone = keras_hub.models.GemmaBackbone(**FAMILIES["gemma"][1], dtype="float32")
-    backbone.save_to_preset(str(tmp_path / "gemma"))
+    path = str(tmp_path_factory.mktemp("stock_saved") / "gemma")
+    backbone.save_to_preset(path)
+    return path
+
+
+@pytest.fixture
+def gemma_preset(stock_saved_gemma, tmp_path):
+    """A backbone preset written by stock `save_to_preset` (float32): the
+    test's own copy (tests edit, truncate or delete it) of one preset built
+    once per module (each build compiled and ran stock's initializers)."""
+    shutil.copytree(stock_saved_gemma, tmp_path / "gemma")
     return str(tmp_path / "gemma")
 
 
@@ -100,7 +119,7 @@ def test_sharded_causal_lm_equals_stock_unsharded(family, mesh_shape, family_pre
         sharded += max(parts) > 1
     assert sharded >= len(lm.backbone.weights) // 2
 
-    logits = np.asarray(lm.backbone(inputs))
+    logits = _forward(lm.backbone, inputs)
     np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=0)
     if mesh_shape != (2, 4):
         # The logits checked the weights' placement on this mesh; generating
@@ -147,7 +166,7 @@ def test_task_preset_saved_by_kerashub(family_presets, stock_reference, tmp_path
     ours = load_sharded_preset(str(tmp_path / "task"), mesh=(2, 4), task="causal_lm")
     assert type(ours) is type(lm)
     inputs, ref_logits, _ = stock_reference["gemma"]
-    np.testing.assert_allclose(np.asarray(ours.backbone(inputs)), ref_logits, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_forward(ours.backbone, inputs), ref_logits, atol=1e-5, rtol=0)
 
 
 def test_chunked_compressed_dataset_is_read_through_h5py(gemma_preset):
@@ -228,17 +247,22 @@ def test_model_owns_its_memory(gemma_preset):
             assert shard.data.is_fully_addressable
 
 
-@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
-def test_each_byte_read_once_and_no_spike(mesh_shape, tmp_path):
-    # Bigger tables (4 MB embedding) so one whole tensor on a device shows.
+@pytest.fixture(scope="module")
+def big_gemma(tmp_path_factory):
+    """Bigger tables (4 MB embedding) so one whole tensor on a device shows:
+    one preset (only read) for the three meshes and the stock measurement."""
     keras.utils.set_random_seed(6)
     kw = dict(FAMILIES["gemma"][1], vocabulary_size=8192, hidden_dim=128, intermediate_dim=256)
-    keras_hub.models.GemmaBackbone(**kw, dtype="float32").save_to_preset(str(tmp_path / "p"))
+    path = str(tmp_path_factory.mktemp("big_gemma") / "p")
+    keras_hub.models.GemmaBackbone(**kw, dtype="float32").save_to_preset(path)
+    return path
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
+def test_each_byte_read_once_and_no_spike(mesh_shape, big_gemma):
     gc.collect()
     with memory.MemorySampler(interval_s=0.001) as sampler:
-        backbone, report = load_sharded_preset(
-            str(tmp_path / "p"), mesh=mesh_shape, memory_report=True
-        )
+        backbone, report = load_sharded_preset(big_gemma, mesh=mesh_shape, memory_report=True)
     assert report.bytes_read == report.file_bytes
     assert report.model_bytes == sum(int(np.prod(v.shape)) * 4 for v in backbone.weights)
     added_final = {d: sampler.final_per_device[d] - sampler.start_per_device[d] for d in sampler.device_ids}
@@ -252,15 +276,12 @@ def test_each_byte_read_once_and_no_spike(mesh_shape, tmp_path):
     assert "peak/final" in str(report)
 
 
-def test_stock_spike_is_visible_to_the_same_measurement(tmp_path):
+def test_stock_spike_is_visible_to_the_same_measurement(big_gemma):
     # The measurement above can fail: stock from_preset under the same
     # ModelParallel makes each tensor whole on device 0 (`assign` converts the
     # file's array there), then `jax.device_put`s it into its layout. One
     # sample right after each of those calls, while the whole tensor is still
     # referenced, sees that moment every time.
-    keras.utils.set_random_seed(6)
-    kw = dict(FAMILIES["gemma"][1], vocabulary_size=8192, hidden_dim=128, intermediate_dim=256)
-    keras_hub.models.GemmaBackbone(**kw, dtype="float32").save_to_preset(str(tmp_path / "p"))
     mesh = keras.distribution.DeviceMesh((1, 8), ("batch", "model"), jax.devices())
     layout_map = keras_hub_dist.get_layout_map(keras_hub.models.GemmaBackbone, mesh)
     distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
@@ -268,7 +289,7 @@ def test_stock_spike_is_visible_to_the_same_measurement(tmp_path):
     with memory.MemorySampler(interval_s=0.001) as sampler:
         with sampling_after_calls(sampler, jax, "device_put") as at_device_put:
             with distribution.scope():
-                backbone = keras_hub.models.Backbone.from_preset(str(tmp_path / "p"))
+                backbone = keras_hub.models.Backbone.from_preset(big_gemma)
     start, final = sampler.start_per_device, sampler.final_per_device
     table = 8192 * 128 * 4  # the token embedding, 4 MiB
     # At the embedding's device_put, device 0 held the whole table.

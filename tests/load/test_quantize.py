@@ -49,29 +49,33 @@ def _path(variable) -> str:
 
 
 @functools.cache
-def _checkpoints(root: str, family: str, file_dtype: str) -> dict[str, str]:
-    """The HF checkpoint and a KerasHub preset of the same float values."""
+def _checkpoints(root: str, family: str, file_dtype: str) -> dict:
+    """The HF checkpoint, a KerasHub preset of the same float values, and
+    the stock references of both modes."""
     config, tensors = FAMILIES[family].hf_checkpoint(family, tied=False, dtype=file_dtype, seed=7)
     hf = write_hf_checkpoint(os.path.join(root, f"{family}_{file_dtype}_hf"), config, tensors)
     keras.distribution.set_distribution(None)
     stock = keras_hub.models.Backbone.from_preset(hf, dtype=MODEL_DTYPE[file_dtype])
     kerashub = os.path.join(root, f"{family}_{file_dtype}_keras")
     stock.save_to_preset(kerashub)
-    return {"huggingface": hf, "keras": kerashub}
+    # Stock, unsharded: from_preset, then quantize. The model just saved is
+    # the first mode's float model (one stock `from_preset` fewer); the
+    # other mode quantizes a second one.
+    references = {}
+    for mode in MODES:
+        if references:
+            stock = keras_hub.models.Backbone.from_preset(hf, dtype=MODEL_DTYPE[file_dtype])
+        quantize_collecting_once(stock, mode)
+        references[mode] = {
+            "weights": [(_path(v), str(v.dtype), tuple(v.shape), _bits(v.value)) for v in stock.weights],
+            "policies": _quantized_policies(stock),
+        }
+    return {"huggingface": hf, "keras": kerashub, "references": references}
 
 
-@functools.cache
 def _reference(root: str, family: str, file_dtype: str, mode: str) -> dict[str, tuple]:
     """Stock, unsharded: from_preset, then quantize: path -> (dtype, shape, bits)."""
-    keras.distribution.set_distribution(None)
-    stock = keras_hub.models.Backbone.from_preset(
-        _checkpoints(root, family, file_dtype)["huggingface"], dtype=MODEL_DTYPE[file_dtype]
-    )
-    quantize_collecting_once(stock, mode)
-    return {
-        "weights": [(_path(v), str(v.dtype), tuple(v.shape), _bits(v.value)) for v in stock.weights],
-        "policies": _quantized_policies(stock),
-    }
+    return _checkpoints(root, family, file_dtype)["references"][mode]
 
 
 def _quantized_policies(model) -> dict[str, str]:

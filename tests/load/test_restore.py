@@ -22,8 +22,11 @@ from keras_hub_dist.load import orbax_checkpoint, restore  # noqa: E402
 from keras_hub_dist.measure import memory  # noqa: E402
 from keras_hub_dist.measure.event_samples import sampling_after_calls  # noqa: E402
 
+# One decoder block: what is restored is every variable of whatever model
+# (a second block only adds the same kinds of variables), and compiling the
+# train step of each mesh is most of this module's time.
 TINY = dict(
-    vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8,
+    vocabulary_size=256, num_layers=1, num_query_heads=8, num_key_value_heads=8,
     hidden_dim=64, intermediate_dim=128,
 )
 TOKENS = np.random.RandomState(0).randint(1, 255, size=(16, 16)).astype("int32")
@@ -53,7 +56,7 @@ def _presets(root):
     """The tiny Llama, and presets of other models for the mismatch tests."""
     paths = {}
     for name, overrides in {
-        "tiny": {}, "wider": dict(hidden_dim=32), "deeper": dict(num_layers=3),
+        "tiny": {}, "wider": dict(hidden_dim=32), "deeper": dict(num_layers=2),
     }.items():
         paths[name] = keras_hub_dist.write_synthetic_preset(
             os.path.join(root, name), keras_hub.models.LlamaBackbone, dtype="float32",
@@ -97,8 +100,8 @@ class _Recorder(keras.callbacks.Callback):
 def _train(preset, mesh, root):
     """Fits 2 steps on `mesh` saving every step, then one step more.
 
-    Returns the checkpoint, a weights-only checkpoint of the same run, the
-    state at steps 1 and 2, and after the third step."""
+    Returns the checkpoint, a weights-only checkpoint of the same run (on
+    (1, 8) only), the state at steps 1 and 2, and after the third step."""
     keras.distribution.set_distribution(None)
     lm = _lm(preset, mesh, optimizer=_adam(name="adam"))
     directory = os.path.join(root, "x".join(map(str, mesh)))
@@ -106,11 +109,12 @@ def _train(preset, mesh, root):
     recorder = _Recorder()
     callbacks = [
         keras.callbacks.OrbaxCheckpoint(directory, save_freq=1, max_to_keep=2, save_on_background=False),
-        keras.callbacks.OrbaxCheckpoint(
-            directory + "_weights", save_freq=1, save_weights_only=True, save_on_background=False
-        ),
         recorder,
     ]
+    if mesh == (1, 8):  # the only weights-only checkpoint the tests read
+        callbacks.append(keras.callbacks.OrbaxCheckpoint(
+            directory + "_weights", save_freq=1, save_weights_only=True, save_on_background=False
+        ))
     lm.fit(*DATA, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     lm.fit(*NEXT, batch_size=8, epochs=1, shuffle=False, verbose=0)
     after = _state(lm)
@@ -282,7 +286,7 @@ def test_a_step_that_was_not_saved_lists_the_saved_ones(untouched_model, trained
     [
         ("wider", {}, r"'token_embedding/embeddings' in .* step 2 to have shape \(256, 32\) "
                       r"and dtype float32.*Received: shape \(256, 64\)"),
-        ("deeper", {}, r"variables of the model not in it \('transformer_layer_2/"),
+        ("deeper", {}, r"variables of the model not in it \('transformer_layer_1/"),
         ("tiny", dict(dtype="bfloat16"), r"dtype bfloat16, as variable .* Received: shape .*, dtype float32"),
     ],
 )
