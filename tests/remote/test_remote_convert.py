@@ -5,11 +5,12 @@ emulator, no local copy); clear errors before any byte is uploaded."""
 
 import os
 
+import keras
 import keras_hub
 import numpy as np
 import pytest
 
-from keras_hub_dist import SaveError, convert_checkpoint, load_sharded_preset, save_sharded_preset
+from keras_hub_dist import SaveError, convert_checkpoint, load_sharded_preset
 from keras_hub_dist import write_synthetic_preset
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.storage import uploads
@@ -43,13 +44,23 @@ def sources(tmp_path_factory):
     return {"keras": keras_dir, "hf": hf_dir, "keras_again": str(root / "keras_again")}
 
 
+@pytest.fixture(scope="module")
+def keras_again_weights(sources):
+    """The local conversion back to KerasHub, loaded (verified) on (2, 4):
+    one reference for both stores' conversions."""
+    keras.distribution.set_distribution(None)
+    model = load_sharded_preset(sources["keras_again"], mesh=(2, 4), verify=True, progress=False)
+    keras.distribution.set_distribution(None)
+    return [np.asarray(v.value) for v in model.weights]
+
+
 def _same(remote, local):
     assert sorted(remote) == sorted(local)
     for name in local:
         assert remote[name] == local[name], name
 
 
-def _same_preset(url, remote, local_dir):
+def _same_preset(url, remote, local_dir, local_weights):
     """A KerasHub preset holds its layers' auto-numbered names (each
     conversion builds the model anew), so as for a local conversion: the
     same files, the weights files of the same sizes, the weights bitwise."""
@@ -57,13 +68,14 @@ def _same_preset(url, remote, local_dir):
     assert sorted(remote) == sorted(local)
     assert all(len(remote[n]) == len(local[n]) for n in local if n.endswith(".h5"))
     ours = load_sharded_preset(url, mesh=(2, 4), verify=True, progress=False)
-    theirs = load_sharded_preset(local_dir, mesh=(2, 4), verify=True, progress=False)
-    for a, b in zip(ours.weights, theirs.weights):
-        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+    assert len(ours.weights) == len(local_weights)
+    for a, b in zip(ours.weights, local_weights):
+        np.testing.assert_array_equal(np.asarray(a.value), b)
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
-def test_convert_into_a_bucket_is_the_local_conversion(sources, request, scheme, tmp_path, monkeypatch):
+def test_convert_into_a_bucket_is_the_local_conversion(sources, keras_again_weights, request, scheme, tmp_path,
+                                                       monkeypatch):
     server = request.getfixturevalue("s3" if scheme == "s3" else "gcs")
     bucket = stores.fresh_bucket(server)
     monkeypatch.chdir(tmp_path)
@@ -81,7 +93,7 @@ def test_convert_into_a_bucket_is_the_local_conversion(sources, request, scheme,
     assert os.listdir(tmp_path) == []  # nothing written to the working directory
     hf, keras_preset = (uploads.open_writer(f"{scheme}://{bucket}/{p}") for p in ("hf", "keras"))
     _same(_objects(hf), _local_files(sources["hf"]))
-    _same_preset(f"{scheme}://{bucket}/keras", _objects(keras_preset), sources["keras_again"])
+    _same_preset(f"{scheme}://{bucket}/keras", _objects(keras_preset), sources["keras_again"], keras_again_weights)
     assert hf.list_uploads() == [] and keras_preset.list_uploads() == []
     # The tiles' order keeps few parts open, even with parts of 64 KiB (about
     # 190 per file): at most 3 that several tiles write, and 3 per thread.
@@ -90,8 +102,9 @@ def test_convert_into_a_bucket_is_the_local_conversion(sources, request, scheme,
 
 
 def test_convert_s3_to_gcs_with_no_local_copy(sources, s3, gcs, monkeypatch, tmp_path):
-    src = f"s3://{stores.fresh_bucket(s3)}/keras"
-    save_sharded_preset(load_sharded_preset(sources["keras"], mesh=(1, 8), progress=False), src)
+    # The source preset's own files, put in the bucket as they are (a remote
+    # save of it is test_remote_save's).
+    src = s3.upload_dir(sources["keras"], stores.fresh_bucket(s3), "keras")
     dst = f"gs://{stores.fresh_bucket(gcs)}/hf"
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TMPDIR", str(tmp_path))

@@ -7,6 +7,7 @@ Every server runs on 127.0.0.1 (tests/remote/conftest.py), each behind a
 the server, per file.
 """
 
+import functools
 import os
 
 import jax
@@ -59,6 +60,23 @@ def checkpoints(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    """`references(kind, mesh)`: the weights of the local checkpoint loaded
+    on `mesh`, once per module: one reference for the four schemes (it does
+    not depend on where the remote copy is served from)."""
+
+    @functools.cache
+    def get(kind, mesh):
+        keras.distribution.set_distribution(None)
+        weights = _weights(load_sharded_preset(checkpoints[kind], mesh=mesh, progress=False))
+        keras.distribution.set_distribution(None)
+        return weights
+
+    yield get
+    get.cache_clear()
+
+
 def _weights(model):
     # In model order: auto-numbered layer names differ from build to build.
     return [(v.path.split("/")[-1], v.value) for v in model.weights]
@@ -83,13 +101,13 @@ def _weight_files(local_dir):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("kind", ["keras_dense_f32", "keras_moe_bf16_multi", "hf_dense_bf16", "hf_moe_f32_index"])
-def test_remote_load_equals_local_and_reads_only_the_blocks(checkpoints, remote_checkpoint, scheme, kind):
+def test_remote_load_equals_local_and_reads_only_the_blocks(checkpoints, references, remote_checkpoint, scheme,
+                                                            kind):
     local = checkpoints[kind]
     remote = remote_checkpoint(local, schemes=[scheme])[scheme]
     weight_files = _weight_files(local)
     for mesh in MESH_SHAPES:
-        reference = _weights(load_sharded_preset(local, mesh=mesh, progress=False))
-        keras.distribution.set_distribution(None)
+        reference = references(kind, mesh)
         remote.server.clear()
         model = load_sharded_preset(remote.url, mesh=mesh, progress=False)
         keras.distribution.set_distribution(None)
