@@ -139,35 +139,31 @@ def _without_name(config):
 
 
 @functools.cache
-def _stock_initializers(family):
-    """`{path: stock pending initializer}` of the stock class's variables."""
+def _stock_build(family):
+    """The stock class built without values (in a fresh session, so its
+    paths are the factory builds'): its pending initializers are the stock
+    ones, and the layout maps of both meshes are planned on its shapes."""
     spec = FAMILIES[family]
     keras.backend.clear_session()
     keras.utils.set_random_seed(0)
-    _, created = build_without_values(spec.cls, spec.stock_config())
+    return build_without_values(spec.cls, spec.stock_config())
+
+
+def _stock_initializers(family):
+    """`{path: stock pending initializer}` of the stock class's variables."""
+    _, created = _stock_build(family)
     return {v.path: _compat.pending_initializer(v) for v in created}
-
-
-@functools.cache
-def _abstract(family):
-    """The abstract build the layout maps are planned on: one for both
-    meshes (its paths and shapes do not depend on the mesh)."""
-    spec = FAMILIES[family]
-    keras.backend.clear_session()
-    return keras_hub_dist.abstract_backbone(
-        spec.stock_config(), backbone_class=spec.cls
-    )
 
 
 def _layout_map(family, mesh):
     """`get_layout_map` where it knows the family, else the automatic plan."""
     spec = FAMILIES[family]
-    abstract = _abstract(family)
+    model, _ = _stock_build(family)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", keras_hub_dist.LayoutFallbackWarning)
         if registry.family_of(spec.cls) in layouts.supported_families():
-            return keras_hub_dist.get_layout_map(abstract, mesh)
-        return keras_hub_dist.plan_layout(abstract.model, mesh)
+            return keras_hub_dist.get_layout_map(model, mesh)
+        return keras_hub_dist.plan_layout(model, mesh)
 
 
 @functools.cache
