@@ -5,9 +5,9 @@ Each family is built tiny (float32) from a plain config dict, laid out by
 `get_layout_map` (the automatic planner, `plan_layout`, only for a family
 without rules). Keras names unnamed
 sublayers (the MoE blocks) with a process-wide counter, so the session is
-cleared before the abstract build and again before the factory call: both
-builds then give every variable the same path, and the planner's exact-path
-keys match.
+cleared before the stock build without values (which the maps are planned
+on) and again before the factory call: both builds then give every variable
+the same path, and the planner's exact-path keys match.
 """
 
 import dataclasses
