@@ -46,6 +46,13 @@ def _config(family):
             config[tower] = None
     if "vocabulary_size_per_layer_input" in config:
         config["vocabulary_size_per_layer_input"] = VOCAB
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        # One Gated DeltaNet layer and one full-attention layer (the
+        # checkpoint's 3 + 1): both kinds are loaded, laid out and run, and
+        # the DeltaNet traces and compiles (the file's slowest part) halve.
+        config.update(
+            num_layers=2, layer_types=["linear_attention", "full_attention"]
+        )
     return cls, config
 
 
