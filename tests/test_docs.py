@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import pathlib
@@ -316,7 +317,10 @@ def world(tmp_path_factory):
         for key, (name, fmt) in CHECKPOINTS.items():
             if name in BUILTIN:
                 patch.setitem(preset_utils.BUILTIN_PRESETS[name], "kaggle_handle", checkpoints[key])
-        yield World(root, checkpoints, stack, patch)
+        try:
+            yield World(root, checkpoints, stack, patch)
+        finally:
+            gc.unfreeze()  # what `_run` froze: collected at the module's end (conftest.py)
     plan_build._cached_specs.cache_clear()
 
 
@@ -327,6 +331,12 @@ def _run(block: Block, world: World) -> None:
     for old, new in world.rewrites.items():
         code = code.replace(old, new)
     compiled = compile("\n" * block.line + code, str(ROOT / block.page), "exec")
+    # Out of reach of the block's own collections: the world, the servers and
+    # the modules the earlier blocks imported (moto, Orbax, ...). Keras's
+    # `Layer.__delattr__` runs `gc.collect()` per variable a stock
+    # `quantize` replaces (docs/quantization.md): 8 walks of all of it, ~1 s
+    # each. (Freezing walks nothing; the world's teardown unfreezes.)
+    gc.freeze()
     cwd = os.getcwd()
     os.chdir(world.page_dir(block.page))
     try:

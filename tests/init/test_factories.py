@@ -82,6 +82,13 @@ def _reference(family):
     return model, state, _forward(model)
 
 
+@functools.cache
+def _abstract(family):
+    """The family's abstract model: one for both meshes (it has no mesh)."""
+    _, name, overrides, _, _ = FAMILIES[family]
+    return keras_hub_dist.abstract_backbone(name, **overrides)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_factory_returns_stock_class_with_twin_of_stock_initializer(family):
     factory, name, overrides, cls, stock_init = FAMILIES[family]
@@ -120,7 +127,7 @@ def test_sharded_build_matches_layouts_and_unsharded_outputs(
     factory, name, overrides, _, _ = FAMILIES[family]
     reference, _, expected_outputs = _reference(family)
 
-    abstract = keras_hub_dist.abstract_backbone(name, **overrides)
+    abstract = _abstract(family)
     mesh = keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), jax.devices())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", keras_hub_dist.LayoutFallbackWarning)

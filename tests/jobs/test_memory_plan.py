@@ -1,5 +1,6 @@
 """`plan_memory`: XLA's analysis of the very programs a job runs, from no weights."""
 
+import functools
 import gc
 import json
 
@@ -32,6 +33,13 @@ def gemma_preset(tmp_path_factory):
     )
 
 
+@functools.cache
+def _fit_plan(preset, mesh):
+    """The plain fit plan (Adam, the default optimizer) of a mesh: one plan
+    for the tests that read it (a plan is a pure function of its arguments)."""
+    return plan_memory(preset, mesh, job="fit", optimizer="adam", **PLAN)
+
+
 def _real_program_memory(run, program):
     """XLA's figures of the one program named `program` that `run()`
     compiles, captured at its compilation."""
@@ -45,7 +53,7 @@ def _real_program_memory(run, program):
 
 @pytest.mark.parametrize("mesh", MESH_SHAPES)
 def test_fit_plan_equals_the_real_train_step(gemma_preset, mesh):
-    plan = plan_memory(gemma_preset, mesh, job="fit", optimizer="adam", **PLAN)
+    plan = _fit_plan(gemma_preset, mesh)
     lm = keras_hub_dist.load_sharded_preset(gemma_preset, mesh=mesh, task="causal_lm")
     lm.preprocessor = None
     lm.compile(optimizer=keras.optimizers.Adam(1e-3))
@@ -114,7 +122,7 @@ def test_quantized_generate_plan_equals_the_real_generate(gemma_preset):
 
 
 def test_lora_plan_trains_only_the_factors(gemma_preset):
-    full = plan_memory(gemma_preset, (1, 8), job="fit", **PLAN)
+    full = _fit_plan(gemma_preset, (1, 8))
     lora = plan_memory(gemma_preset, (1, 8), job="fit", lora_rank=4, **PLAN)
     assert lora.lora_bytes > 0 and full.lora_bytes == 0
     assert lora.weights_bytes == full.weights_bytes
@@ -148,7 +156,7 @@ def test_a_plan_of_a_loaded_model_allocates_nothing(gemma_preset):
 
 
 def test_a_job_that_does_not_fit_plans_what_would(gemma_preset):
-    tight = plan_memory(gemma_preset, (1, 8), job="fit", **PLAN)
+    tight = _fit_plan(gemma_preset, (1, 8))
     budget_gb = (tight.total_bytes - 1) / 2**30
     plan = plan_memory(gemma_preset, (1, 8), job="fit", hbm_gb=budget_gb, **PLAN)
     assert plan.fits is False

@@ -130,12 +130,16 @@ def test_plain_pip_install_finds_the_data_files(tmp_path):
     import keras
 
     venv = tmp_path / "venv"
+    # Without a pip of its own (ensurepip: ~7 CPU-s): this interpreter's pip
+    # installs into it (`--python`), building the wheel as a plain `pip
+    # install` does (isolated, from the build-system table).
     subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+        [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
         check=True,
     )
     result = subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", "--no-deps", REPO],
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+         "--no-deps", REPO],
         cwd=tmp_path, capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stderr[-2000:]
