@@ -191,11 +191,11 @@ def test_convert_from_a_remote_source_equals_the_local_conversion(checkpoints, r
         assert nbytes <= sent <= nbytes * 1.01 + metadata_reads * 64 * 1024, (name, sent, nbytes)
 
 
-def test_prequantized_w4a16_from_s3_verified_equals_the_local_load(tmp_path, remote_checkpoint):
-    """A pre-quantized W4A16 (compressed-tensors) Qwen 3 checkpoint in a
-    bucket: `verify=True` checks the files against the checksums recorded in
-    its index, and the load (Keras int4 layers holding the checkpoint's
-    codes) is bitwise the local one's."""
+@pytest.fixture(scope="module")
+def prequantized(tmp_path_factory):
+    """A pre-quantized W4A16 (compressed-tensors) Qwen 3 checkpoint in
+    several files, checksums recorded in its index, and its local load on
+    (2, 4): one for the four schemes."""
     import json
 
     from keras_hub_dist import write_synthetic_hf_checkpoint
@@ -203,7 +203,7 @@ def test_prequantized_w4a16_from_s3_verified_equals_the_local_load(tmp_path, rem
     from tests.formats.test_prequantized_families import FAMILIES
 
     cls, config, _ = FAMILIES["qwen3"]
-    local = str(tmp_path / "qwen3_w4a16")
+    local = str(tmp_path_factory.mktemp("prequantized") / "qwen3_w4a16")
     write_synthetic_hf_checkpoint(local, cls, config, dtype="bfloat16", quantization="w4a16",
                                   shard_bytes=40_000, progress=False)
     files = sorted(n for n in os.listdir(local) if n.endswith(".safetensors"))
@@ -214,16 +214,28 @@ def test_prequantized_w4a16_from_s3_verified_equals_the_local_load(tmp_path, rem
         n: checksums.file_checksum(os.path.join(local, n)).to_json() for n in files}}
     with open(os.path.join(local, safetensors_files.INDEX_FILE), "w") as f:
         json.dump(index, f)
-    remote = remote_checkpoint(local, schemes=["s3"])["s3"]
-    reference = load_sharded_preset(local, mesh=(2, 4), verify=True, progress=False)
     keras.distribution.set_distribution(None)
+    reference = _weights(load_sharded_preset(local, mesh=(2, 4), verify=True, progress=False))
+    keras.distribution.set_distribution(None)
+    yield local, files, reference
+    del reference
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_prequantized_w4a16_remote_verified_equals_the_local_load(prequantized, remote_checkpoint, scheme):
+    """The pre-quantized checkpoint served from a bucket (S3, GCS), the Hub
+    or plain HTTP: `verify=True` checks the files against the checksums
+    recorded in its index, and the load (Keras int4 layers holding the
+    checkpoint's codes) is bitwise the local one's."""
+    local, files, expected = prequantized
+    remote = remote_checkpoint(local, schemes=[scheme])[scheme]
     remote.server.clear()
     model = load_sharded_preset(remote.url, mesh=(2, 4), verify=True, progress=False)
     keras.distribution.set_distribution(None)
     modes = {layer.quantization_mode for layer in model._flatten_layers()
              if getattr(layer, "quantization_mode", None)}
     assert modes == {"int4"}
-    loaded, expected = _weights(model), _weights(reference)
+    loaded = _weights(model)
     assert len(loaded) == len(expected)
     for (path, value), (name, want) in zip(loaded, expected):
         assert path == name and value.dtype == want.dtype, path
