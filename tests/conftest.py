@@ -71,6 +71,19 @@ write_entries_atomically()
 MESH_SHAPES = [(1, 8), (2, 4), (8, 1)]
 
 
+class lazy_import:  # noqa: N801 - stands for a module
+    """`pytest.importorskip(name)` on first use, not at collection: both
+    xdist workers collect every file, and torch, transformers and peft cost
+    each ~5-10 s to import while only one worker runs the tests using them."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        return getattr(pytest.importorskip(self._name), attr)
+
+
+
 def quantize_collecting_once(model, mode):
     """`model.quantize(mode)`, Keras's own, with its garbage collections
     deferred to one at the end. Keras's `Layer.__delattr__` runs

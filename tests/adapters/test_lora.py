@@ -20,6 +20,7 @@ import jax
 import keras
 import numpy as np
 import pytest
+from conftest import lazy_import
 import safetensors.numpy
 
 import keras_hub_dist
@@ -28,9 +29,9 @@ from tests.formats.hf import dense, moe
 from tests.formats.hf.writer import write_hf_checkpoint
 from tests.save.test_hf_transformers import TOKENS, _causal_lm
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+torch = lazy_import("torch")
+transformers = lazy_import("transformers")
+peft = lazy_import("peft")
 
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CASES = {  # case: (fixture module, tied, PEFT targets, mesh)

@@ -15,13 +15,14 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+from conftest import lazy_import
 
 from keras_hub_dist import load_sharded_preset, save_sharded_preset, write_synthetic_preset
 from tests.formats.hf import dense, moe, recent
 from tests.formats.hf.writer import write_hf_checkpoint
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = lazy_import("torch")
+transformers = lazy_import("transformers")
 
 pytestmark = pytest.mark.usefixtures("short_delta_chunks")
 
