@@ -3,9 +3,11 @@ tiny Qwen 3 and saves the adapter into a bucket and into a directory
 (`tests/adapters/test_lora_remote.py`).
 
 Run as `lora_remote_worker.py PROCESS_ID NUM_PROCESSES PORT LOCAL_DEVICES
-HF_DIR MESH URL OUT_DIR [fail_write]`; the store's endpoint comes from the
-environment. With `fail_write`, process 1's first write into a part buffer
-raises (and no local save follows).
+HF_DIR MESH URL OUT_DIR [fail_write | FAIL_URL]`; the store's endpoint comes
+from the environment. With `fail_write`, process 1's first write into a part
+buffer raises (and no local save follows). With a FAIL_URL, the job first
+saves into FAIL_URL with process 1's writes raising (its report under
+`failed`), then saves into URL and OUT_DIR as without one.
 Writes `OUT_DIR/process_<id>.json` with the parts it uploaded
 (`[name, number, bytes]`), the parts it took part in combining and `error`.
 The base is loaded without an adapter: a 2-process adapter load can hang
@@ -26,6 +28,7 @@ def main() -> None:
     process_id, num_processes, port, local_devices = (int(a) for a in sys.argv[1:5])
     hf_dir, mesh, url, out_dir = sys.argv[5:9]
     fail_write = sys.argv[9:] == ["fail_write"]
+    fail_url = sys.argv[9] if len(sys.argv) > 9 and not fail_write else None
     # A stuck job says where it is stuck (the test shows this stderr).
     faulthandler.dump_traceback_later(int(os.environ.get("KHD_WORKER_STACKS_AFTER_S", "200")), exit=True)
     join_job(process_id, num_processes, port, local_devices)
@@ -59,6 +62,16 @@ def main() -> None:
     keras_hub_dist.enable_lora(backbone, rank=4, target_modules=["q_proj", "v_proj", "down_proj"])
     for variable in backbone.trainable_weights:  # lora_B starts at zero: make every byte count
         variable.assign(variable.value + 0.5)
+    failed = None
+    if fail_url:
+        fail_write, error = True, None
+        try:
+            keras_hub_dist.save_lora_adapter(backbone, fail_url, progress=False)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            error = f"{type(e).__name__}: {e}"
+        failed = {"uploaded": uploaded[:], "combined": combined[:], "error": error}
+        fail_write = False
+        del uploaded[:], combined[:]
     error = None
     try:
         keras_hub_dist.save_lora_adapter(backbone, url, progress=False)
@@ -66,7 +79,7 @@ def main() -> None:
             keras_hub_dist.save_lora_adapter(backbone, os.path.join(out_dir, "local"), progress=False)
     except Exception as e:  # noqa: BLE001 - reported to the test
         error = f"{type(e).__name__}: {e}"
-    report = {"uploaded": uploaded, "combined": combined, "error": error}
+    report = {"uploaded": uploaded, "combined": combined, "error": error, "failed": failed}
     pathlib.Path(out_dir, f"process_{process_id}.json").write_text(json.dumps(report))
 
 

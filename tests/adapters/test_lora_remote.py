@@ -4,9 +4,9 @@ by gcp-storage-emulator, on loopback: the servers of tests/remote/), read
 back by `load_sharded_preset(base, lora_adapter=url)` bit for bit; a failed
 part upload aborts every upload and keeps the old adapter; a target that
 holds an adapter is refused, without `overwrite`, before any upload. Two
-processes x 4 devices (`lora_remote_worker.py`): the replicated factors'
-blocks written by both into the one part, combined on its owner; a write
-failing on one process leaves nothing.
+processes x 4 devices (`lora_remote_worker.py`, one job): a write failing
+on one process leaves nothing; the replicated factors' blocks written by
+both into the one part, combined on its owner.
 
 The model is the tiny Qwen3 of tests/formats/hf (2 layers, hidden 64) with
 PEFT-form LoRA on its seven projections: an adapter of a few kB, one part,
@@ -206,13 +206,23 @@ def test_bad_targets_fail_before_any_upload(tuned, base, s3, monkeypatch):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux and loopback")
-def test_two_processes_upload_the_local_adapter(base, s3, tmp_path):
-    """2 processes x 4 devices, mesh 1 x 8: the factors are replicated on
-    both, each writes its share of the one part (under 5 MiB) into a zeroed
+def test_two_processes_upload_the_local_adapter_and_a_failing_write_aborts(base, s3, tmp_path):
+    """2 processes x 4 devices, mesh 1 x 8, one job. First process 1's
+    write into its part buffer raises: both raise, that bucket holds
+    nothing (no adapter, owner record or part), no upload is left open.
+    Then the save that goes through: the factors are replicated on both,
+    each writes its share of the one part (under 5 MiB) into a zeroed
     buffer, the part is combined on its owner, which alone uploads it."""
+    failing, failing_writer = _target(s3, "s3")
     url, writer = _target(s3, "s3")
     keras.distribution.set_distribution(None)
-    reports = run_job(WORKER, 2, 4, [base, "1x8", url, tmp_path], tmp_path)
+    reports = run_job(WORKER, 2, 4, [base, "1x8", url, tmp_path, failing], tmp_path)
+    failed = [r["failed"] for r in reports]
+    assert all(f["error"] and "injected by the test" in f["error"] for f in failed), failed
+    # Process 0 may have uploaded the combined part (the collective goes on
+    # after an error): the upload is aborted, nothing is left.
+    _assert_nothing_left(s3, failing_writer, failing.split("/")[2])
+
     assert [r["error"] for r in reports] == [None, None]
     local = _local_files(str(tmp_path / "local"))
     assert sorted(local) == FILES and _objects(writer) == local
@@ -220,17 +230,3 @@ def test_two_processes_upload_the_local_adapter(base, s3, tmp_path):
     assert sorted(parts[0] + parts[1]) == [("adapter_model.safetensors", 1)]
     assert reports[0]["combined"] == reports[1]["combined"] == [1]
     assert writer.list_uploads() == [] and not [n for n in writer.list() if n.startswith(".")]
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux and loopback")
-def test_a_write_failing_on_one_process_aborts_the_upload(base, s3, tmp_path):
-    """Process 1's write into its part buffer raises: both raise, the
-    bucket holds nothing (no adapter, owner record or part), no upload is
-    left open."""
-    url, writer = _target(s3, "s3")
-    keras.distribution.set_distribution(None)
-    reports = run_job(WORKER, 2, 4, [base, "1x8", url, tmp_path, "fail_write"], tmp_path)
-    assert all(r["error"] and "injected by the test" in r["error"] for r in reports), reports
-    # Process 0 may have uploaded the combined part (the collective goes on
-    # after an error): the upload is aborted, nothing is left.
-    _assert_nothing_left(s3, writer, url.split("/")[2])

@@ -9,6 +9,7 @@ The times are those of the events: the test's SIGKILL (once the victim has
 written that it reached its point) and the survivor's own clock when it
 caught the error (tests/remote/lost_process_worker.py)."""
 
+import functools
 import pathlib
 import sys
 import warnings
@@ -23,7 +24,9 @@ from keras_hub_dist.storage import uploads
 from tests.multiprocess_jobs import lost_process_presets, run_lost_process_job, weights_only_checkpoint
 
 WORKER = pathlib.Path(__file__).with_name("lost_process_worker.py")
-HEARTBEAT_S = 4
+# Beats are sent and read once a second: 3 s still lets a starved beat
+# thread be 2 s late without a false loss.
+HEARTBEAT_S = 3
 # The loss noticed by the heartbeat (a program stuck on the lost process),
 # or at once (a collective's closed connection); the margin is this shared
 # 2-core machine's.
@@ -86,11 +89,18 @@ def test_a_killed_coordinator_leaves_a_bucket_the_next_save_sweeps(presets, remo
     _check_nothing_published_then_swept(parts, remote.url, "s3")
 
 
+@functools.cache
+def _loaded(preset):
+    """The preset on (1, 8) in this process, loaded once (a save does not
+    change it)."""
+    keras.distribution.set_distribution(None)
+    return keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), progress=False)
+
+
 def _check_nothing_published_then_swept(preset, target, phase):
     """Nothing readable at the target; a save from this process (the job
     restarted) publishes and leaves nothing of the killed job behind."""
-    keras.distribution.set_distribution(None)
-    model = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), progress=False)
+    model = _loaded(preset)
     if phase == "save":
         parent = pathlib.Path(target).parent
         assert not pathlib.Path(target).exists()

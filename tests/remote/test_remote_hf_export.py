@@ -53,7 +53,8 @@ def _assert_same(remote, local):
         assert hashlib.sha256(remote[name]).digest() == hashlib.sha256(local[name]).digest(), name
 
 
-@pytest.mark.parametrize("mesh", MESH_SHAPES)
+# Every mesh into S3; GCS (the same export through another writer) on (2, 4).
+@pytest.mark.parametrize("store, mesh", [("s3", m) for m in MESH_SHAPES] + [("gs", (2, 4))], indirect=["store"])
 def test_export_into_a_bucket_is_the_local_export_and_loads_verified(models, store, mesh, small_parts):
     _, url, writer = store
     model, local = models(mesh)
@@ -108,25 +109,30 @@ def test_failure_aborts_and_overwrite_replaces_a_keras_preset(models, store, sma
     _assert_same(_objects(writer), local)  # the old preset's files are gone
 
 
-def test_killed_export_uploads_aborted_by_the_next(models, store, small_parts, monkeypatch):
+def test_killed_export_uploads_aborted_by_the_next(models, s3, gcs, small_parts, monkeypatch):
     """An export killed outright left a recorded upload and an unrecorded
     one: the next export to the target aborts both, names them, and writes
-    the local export's files."""
-    _, url, writer = store
+    the local export's files (into S3 and GCS, after one wait)."""
     model, local = models((2, 4))
     monkeypatch.setattr(remote_publish, "LEASE_SECONDS", 3.0)  # 3 s: see test_remote_save
-    dead = writer.create_upload("model-00001-of-00002.safetensors")
-    writer.put(".khd-save-0badc0ffee00.json", json.dumps(
-        {"host": "gone", "pid": 1, "uploads": {"model-00001-of-00002.safetensors": dead}}).encode())
-    writer.create_upload("model-00002-of-00002.safetensors")  # no record claims it
-    time.sleep(3.2)  # both leases lapse (the store's clock)
-    with pytest.warns(StaleStagingWarning) as warned:
-        save_sharded_preset(model, url, format="huggingface", max_shard_size=0.012, progress=False)
-    text = str(warned[0].message)
-    assert f"'model-00001-of-00002.safetensors' ({dead[:12]}" in text and "0badc0ffee00" in text, text
-    assert "'model-00002-of-00002.safetensors' started" in text, text
-    assert writer.list_uploads() == []
-    _assert_same(_objects(writer), local)
+    targets = []
+    for scheme, server in (("s3", s3), ("gs", gcs)):
+        url = f"{scheme}://{stores.fresh_bucket(server)}/presets/tuned"
+        writer = uploads.open_writer(url)
+        dead = writer.create_upload("model-00001-of-00002.safetensors")
+        writer.put(".khd-save-0badc0ffee00.json", json.dumps(
+            {"host": "gone", "pid": 1, "uploads": {"model-00001-of-00002.safetensors": dead}}).encode())
+        writer.create_upload("model-00002-of-00002.safetensors")  # no record claims it
+        targets.append((url, writer, dead))
+    time.sleep(3.2)  # every lease lapses (the stores' clocks)
+    for url, writer, dead in targets:
+        with pytest.warns(StaleStagingWarning) as warned:
+            save_sharded_preset(model, url, format="huggingface", max_shard_size=0.012, progress=False)
+        text = str(warned[0].message)
+        assert f"'model-00001-of-00002.safetensors' ({dead[:12]}" in text and "0badc0ffee00" in text, text
+        assert "'model-00002-of-00002.safetensors' started" in text, text
+        assert writer.list_uploads() == []
+        _assert_same(_objects(writer), local)
 
 
 def test_bad_targets_fail_before_any_upload(models, s3):
