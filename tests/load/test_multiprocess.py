@@ -8,6 +8,7 @@ parts and exchanged between the devices); the global model is one model, and
 a jitted forward pass gives the single-process logits.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -122,6 +123,14 @@ def jobs(tiny_preset, hf_preset, tmp_path_factory):
     return run
 
 
+@functools.cache  # one stock build for the three jobs
+def _dataset_index(preset):
+    return {e.path: e.source.dataset for e in build_index(
+        keras_hub.models.Backbone.from_preset(preset),
+        os.path.join(preset, "model.weights.h5"),
+    ).entries}
+
+
 def _reference_logits(preset, mesh):
     batch, model = (int(x) for x in mesh.split("x"))
     backbone = keras_hub_dist.load_sharded_preset(preset, mesh=(batch, model),
@@ -140,10 +149,7 @@ def test_each_process_reads_only_its_shards(
 ):
     out_dir, reports = jobs(num_processes, local_devices, mesh)
     reports = reports["keras"]
-    index = {e.path: e.source.dataset for e in build_index(
-        keras_hub.models.Backbone.from_preset(tiny_preset),
-        os.path.join(tiny_preset, "model.weights.h5"),
-    ).entries}
+    index = _dataset_index(tiny_preset)
     file_bytes = sum(d.nbytes for d in index.values())
     all_datasets = merge_ranges((d.offset, d.offset + d.nbytes) for d in index.values())
     seen_devices = []
