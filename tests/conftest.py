@@ -41,35 +41,32 @@ import pytest  # noqa: E402
 
 from tests.compile_cache import write_entries_atomically  # noqa: E402
 
-# XLA's persistent compilation cache is off unless asked for
-# (JAX_ENABLE_COMPILATION_CACHE=true; JAX_COMPILATION_CACHE_DIR sets the
-# place, default .cache/jax-tests). On a clean clone, as CI runs, it starts
-# empty: every compile paid the cache key (the serialized program hashed),
-# a lookup and a write (~5 ms an entry, thousands of entries) to be read back
-# rarely, since the two workers run different files and a job's processes
-# compile at the same time. tests/formats/test_huggingface_families.py alone:
-# 82.7 s with it, 73.6 s without. Set in the environment, so the subprocesses
-# of the multi-process and CLI tests follow. With it on, writes are atomic
-# and unbounded (tests/compile_cache.py).
-os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
-if os.environ["JAX_ENABLE_COMPILATION_CACHE"].lower() in ("1", "true"):
-    COMPILATION_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax-tests"
-    )
-    for _name, _value in {
-        "JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-        "JAX_COMPILATION_CACHE_MAX_SIZE": "-1",
-    }.items():
-        os.environ.setdefault(_name, _value)
-    jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
-    write_entries_atomically()
-else:
-    jax.config.update("jax_enable_compilation_cache", False)
+# XLA's compiled programs, kept on disk and shared by the xdist workers and by
+# the next run: about half of the suite's time is compiling, and the same
+# programs recur (stock's eager ops, the samplers, the forward passes of the
+# same tiny configs in many files). An entry is the executable XLA compiled
+# for exactly that program and those options (JAX's own key), so results are
+# the same bits. No size limit: with one, JAX locks and scans the whole
+# directory on every write (tests/compile_cache.py, which makes each write
+# atomic instead). JAX_COMPILATION_CACHE_DIR overrides the place,
+# JAX_ENABLE_COMPILATION_CACHE=false turns it off. Set in the environment, so
+# the subprocesses of the multi-process and CLI tests (which compile the same
+# programs in every job) share it too.
+COMPILATION_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax-tests"
+)
+for _name, _value in {
+    "JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    "JAX_COMPILATION_CACHE_MAX_SIZE": "-1",
+}.items():
+    os.environ.setdefault(_name, _value)
+jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+write_entries_atomically()
 
 MESH_SHAPES = [(1, 8), (2, 4), (8, 1)]
 
