@@ -89,13 +89,14 @@ def join_job(process_id, num_processes, port, local_devices):
 
 
 def leave() -> None:
-    """In a worker whose `main` returned: run the `atexit` handlers (JAX's
-    distributed shutdown, logging's flush), flush the standard streams and
-    exit 0 without the interpreter's teardown. That teardown garbage-collects
-    and frees every object of JAX, Keras and KerasHub, ~3.6 s of a core per
-    process, after the report is written: a job's processes each paid it
-    before the test could go on. An exception or `sys.exit` in `main` still
-    leaves as a fresh interpreter would."""
+    """In a worker whose script returned (tests/worker_zygote.py calls it for
+    every worker): run the `atexit` handlers (JAX's distributed shutdown,
+    logging's flush), flush the standard streams and exit 0 without the
+    interpreter's teardown. That teardown garbage-collects and frees every
+    object of JAX, Keras and KerasHub, ~3.6 s of a core per process, after
+    the report is written: a job's processes each paid it before the test
+    could go on. An exception or `sys.exit` in the script still leaves as a
+    fresh interpreter would."""
     import atexit
 
     atexit._run_exitfuncs()

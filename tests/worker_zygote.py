@@ -209,7 +209,6 @@ if __name__ == "__main__":
     import runpy
 
     runpy.run_path(sys.argv[0], run_name="__main__")
-    # The script returned: leave without the interpreter's teardown, as the
-    # workers that call it themselves do (an exception or `sys.exit` above
-    # still leaves as a fresh interpreter would).
+    # The script returned: leave without the interpreter's teardown (an
+    # exception or `sys.exit` above still leaves as a fresh interpreter would).
     tests.multiprocess_jobs.leave()

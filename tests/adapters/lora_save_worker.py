@@ -16,7 +16,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from tests.multiprocess_jobs import join_job, leave  # noqa: E402
+from tests.multiprocess_jobs import join_job  # noqa: E402
 
 
 def main() -> None:
@@ -54,4 +54,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    leave()

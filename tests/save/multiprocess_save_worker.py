@@ -30,7 +30,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from tests.multiprocess_jobs import join_job, leave  # noqa: E402
+from tests.multiprocess_jobs import join_job  # noqa: E402
 
 
 def _save(keras_hub_dist, backbone, process_id, target, mode, save_format):
@@ -103,4 +103,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    leave()
