@@ -83,6 +83,14 @@ class lazy_import:  # noqa: N801 - stands for a module
         return getattr(pytest.importorskip(self._name), attr)
 
 
+def jitted_outputs(model, inputs):
+    """`model(inputs)` as one jitted program on the model's own (possibly
+    sharded) weights: one XLA compilation, not one per eager op and
+    sharding. The outputs as the model returns them (an array or a dict)."""
+    call = jax.jit(lambda trainable, non_trainable, x: model.stateless_call(trainable, non_trainable, x)[0])
+    return call([v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables], inputs)
+
 
 def quantize_collecting_once(model, mode):
     """`model.quantize(mode)`, Keras's own, with its garbage collections

@@ -14,10 +14,9 @@ import json
 import os
 import shutil
 
-import jax
 import numpy as np
 import pytest
-from conftest import MESH_SHAPES, quantize_collecting_once
+from conftest import MESH_SHAPES, jitted_outputs, quantize_collecting_once
 
 from keras_hub_dist import PresetError, load_sharded_preset, save_sharded_preset
 
@@ -33,16 +32,9 @@ def _token_ids():
 
 
 def _logits(backbone):
-    """The backbone's forward pass jitted (one compilation, not one per
-    eager op and sharding), then Keras's reverse embedding."""
+    """The backbone's forward pass jitted, then Keras's reverse embedding."""
     ids = _token_ids()
-
-    def forward(trainable, non_trainable, x):
-        return backbone.stateless_call(trainable, non_trainable, x)[0]
-
-    hidden = jax.jit(forward)([v.value for v in backbone.trainable_variables],
-                              [v.value for v in backbone.non_trainable_variables],
-                              {"token_ids": ids, "padding_mask": np.ones_like(ids)})
+    hidden = jitted_outputs(backbone, {"token_ids": ids, "padding_mask": np.ones_like(ids)})
     return np.asarray(backbone.token_embedding(hidden, reverse=True), dtype=np.float32)
 
 

@@ -39,12 +39,12 @@ import os
 import re
 import struct
 
-import jax
 import keras
 import keras_hub
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import jitted_outputs
 
 from keras_hub_dist import load_sharded_preset, write_synthetic_hf_checkpoint
 from tests.formats.hf.writer import write_hf_checkpoint
@@ -160,13 +160,7 @@ def int4_kernel(layer, shape):
 def _logits(backbone):
     """One jitted forward pass (one compilation, not one per eager op)."""
     ids = np.array([[3, 17, 5, 90, 41, 8, 66, 12]], dtype=np.int32)
-
-    def forward(trainable, non_trainable, x):
-        return backbone.stateless_call(trainable, non_trainable, x)[0]
-
-    hidden = jax.jit(forward)([v.value for v in backbone.trainable_variables],
-                              [v.value for v in backbone.non_trainable_variables],
-                              {"token_ids": ids, "padding_mask": np.ones_like(ids)})
+    hidden = jitted_outputs(backbone, {"token_ids": ids, "padding_mask": np.ones_like(ids)})
     embedding = backbone.token_embedding
     output = embedding.reverse_embeddings if not embedding.tie_weights else np.asarray(embedding.embeddings).T
     return np.asarray(hidden, np.float32) @ np.asarray(output, np.float32)

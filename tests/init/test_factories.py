@@ -9,7 +9,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-from conftest import assert_laid_out_as, layout_sharding
+from conftest import assert_laid_out_as, jitted_outputs, layout_sharding
 
 import keras_hub_dist
 from keras_hub_dist import _compat
@@ -67,10 +67,7 @@ def _build(family, seed=0, **extra):
 
 def _forward(model):
     """One jitted forward pass (one compile instead of one per eager op)."""
-    trainable = [v.value for v in model.trainable_variables]
-    non_trainable = [v.value for v in model.non_trainable_variables]
-    call = jax.jit(lambda t, n, x: model.stateless_call(t, n, x)[0])
-    return np.asarray(call(trainable, non_trainable, INPUTS))
+    return np.asarray(jitted_outputs(model, INPUTS))
 
 
 @functools.cache

@@ -1,6 +1,5 @@
 """`load_sharded_preset`: equals stock `from_preset`, no spike, clear errors."""
 
-import functools
 import gc
 import json
 import os
@@ -12,7 +11,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-from conftest import MESH_SHAPES, failing_on_call
+from conftest import MESH_SHAPES, failing_on_call, jitted_outputs
 
 import keras_hub_dist
 from keras_hub_dist import LayoutError, PresetError, _compat
@@ -36,11 +35,8 @@ PROMPTS = ["the quick brown fox", "w1 w2 w3", "over the lazy dog", "a"] * 2
 
 def _forward(backbone, inputs):
     """The backbone's outputs, jitted: one compilation per model and mesh
-    (the same program on the same mesh comes from the compilation cache),
-    not one per eager op and sharding."""
-    forward = jax.jit(lambda t, n, x: backbone.stateless_call(t, n, x)[0])
-    return np.asarray(forward([v.value for v in backbone.trainable_variables],
-                              [v.value for v in backbone.non_trainable_variables], inputs))
+    (the same program on the same mesh comes from the compilation cache)."""
+    return np.asarray(jitted_outputs(backbone, inputs))
 
 
 @pytest.fixture(scope="module")
@@ -482,11 +478,7 @@ def test_family_without_a_layout_map_is_planned(tmp_path):
               "padding_mask": np.ones((2, 8), "int32")}
 
     def sequence_output(backbone):
-        # Jitted: one compilation, not one per eager op and sharding.
-        forward = jax.jit(lambda t, n, x: backbone.stateless_call(t, n, x)[0])
-        out = forward([v.value for v in backbone.trainable_variables],
-                      [v.value for v in backbone.non_trainable_variables], inputs)
-        return np.asarray(out["sequence_output"])
+        return np.asarray(jitted_outputs(backbone, inputs)["sequence_output"])
 
     expected = sequence_output(stock)
     with pytest.warns(keras_hub_dist.LayoutFallbackWarning, match="plan_layout"):

@@ -14,7 +14,7 @@ import pytest
 import keras_hub_dist
 from keras_hub_dist import load_sharded_preset, write_synthetic_preset
 from keras_hub_dist.formats import huggingface
-from conftest import EXPERT_BANK, assert_laid_out_as
+from conftest import EXPERT_BANK, assert_laid_out_as, jitted_outputs
 from tests.formats.hf import dense, moe, recent
 
 pytestmark = pytest.mark.usefixtures("short_delta_chunks")
@@ -82,12 +82,7 @@ def _inputs(backbone):
 
 def _forward(backbone):
     """One jitted forward pass (eager Gated DeltaNet runs op by op: minutes)."""
-    forward = jax.jit(lambda t, n, x: backbone.stateless_call(t, n, x)[0])
-    return np.asarray(forward(
-        [v.value for v in backbone.trainable_variables],
-        [v.value for v in backbone.non_trainable_variables],
-        _inputs(backbone),
-    ))
+    return np.asarray(jitted_outputs(backbone, _inputs(backbone)))
 
 
 @pytest.fixture(scope="module")

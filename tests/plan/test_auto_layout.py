@@ -9,7 +9,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-from conftest import MESH_SHAPES
+from conftest import MESH_SHAPES, jitted_outputs
 from jax.sharding import NamedSharding, PartitionSpec
 from keras import layers
 
@@ -74,14 +74,7 @@ def _token_inputs():
 
 def _forward(model, x):
     """The model's forward pass, jitted, on its (possibly sharded) weights."""
-    fn = jax.jit(lambda tv, ntv, x: model.stateless_call(tv, ntv, x)[0])
-    return np.asarray(
-        fn(
-            [v.value for v in model.trainable_variables],
-            [v.value for v in model.non_trainable_variables],
-            x,
-        )
-    )
+    return np.asarray(jitted_outputs(model, x))
 
 
 def _assert_planned_shardings(model, plan, mesh):

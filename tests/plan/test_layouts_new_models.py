@@ -26,7 +26,7 @@ from keras_hub_dist.plan import specs as spec_lib
 from keras_hub_dist.plan.build import build_without_values
 from keras_hub_dist.plan.abstract import per_device_bytes
 from keras_hub_dist.plan.mesh import abstract_device_mesh
-from conftest import EXPERT_BANK
+from conftest import EXPERT_BANK, jitted_outputs
 
 DEVICES = [1, 2, 4, 8, 16]
 FAMILIES = {"gemma4", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "mixtral", "gpt_oss"}
@@ -267,10 +267,7 @@ def _inputs(model):
 
 def _forward(model, inputs):
     """One jitted forward pass (one XLA compilation, not one per op)."""
-    trainable = [v.value for v in model.trainable_variables]
-    non_trainable = [v.value for v in model.non_trainable_variables]
-    call = jax.jit(lambda t, n, x: model.stateless_call(t, n, x)[0])
-    return np.asarray(call(trainable, non_trainable, inputs))
+    return np.asarray(jitted_outputs(model, inputs))
 
 
 def test_expert_ffn_split_forward_equals_unsharded():

@@ -10,12 +10,11 @@ the CPU wheel of torch); tiny models, one forward pass each.
 
 import os
 
-import jax
 import keras
 import keras_hub
 import numpy as np
 import pytest
-from conftest import lazy_import
+from conftest import jitted_outputs, lazy_import
 
 from keras_hub_dist import load_sharded_preset, save_sharded_preset, write_synthetic_preset
 from tests.formats.hf import dense, moe, recent
@@ -64,12 +63,7 @@ def _keras_logits(lm):
     inputs = {"token_ids": TOKENS, "padding_mask": np.ones_like(TOKENS)}
     if "position_ids" in {t.name for t in lm.backbone.inputs}:
         inputs["position_ids"] = np.arange(TOKENS.shape[1], dtype="int32")[None]
-
-    def forward(trainable, non_trainable, x):
-        return lm.stateless_call(trainable, non_trainable, x)[0]
-
-    return np.asarray(jax.jit(forward)(
-        [v.value for v in lm.trainable_variables], [v.value for v in lm.non_trainable_variables], inputs))
+    return np.asarray(jitted_outputs(lm, inputs))
 
 
 @pytest.mark.parametrize("case", CASES)
