@@ -3,11 +3,10 @@ tiny Qwen 3 and saves the adapter into a bucket and into a directory
 (`tests/adapters/test_lora_remote.py`).
 
 Run as `lora_remote_worker.py PROCESS_ID NUM_PROCESSES PORT LOCAL_DEVICES
-HF_DIR MESH URL OUT_DIR [fail_write | FAIL_URL]`; the store's endpoint comes
-from the environment. With `fail_write`, process 1's first write into a part
-buffer raises (and no local save follows). With a FAIL_URL, the job first
-saves into FAIL_URL with process 1's writes raising (its report under
-`failed`), then saves into URL and OUT_DIR as without one.
+HF_DIR MESH URL OUT_DIR [FAIL_URL]`; the store's endpoint comes from the
+environment. With a FAIL_URL, the job first saves into FAIL_URL with process
+1's writes into its part buffer raising (its report under `failed`), then
+saves into URL and OUT_DIR.
 Writes `OUT_DIR/process_<id>.json` with the parts it uploaded
 (`[name, number, bytes]`), the parts it took part in combining and `error`.
 The base is loaded without an adapter: a 2-process adapter load can hang
@@ -27,8 +26,8 @@ from tests.multiprocess_jobs import join_job  # noqa: E402
 def main() -> None:
     process_id, num_processes, port, local_devices = (int(a) for a in sys.argv[1:5])
     hf_dir, mesh, url, out_dir = sys.argv[5:9]
-    fail_write = sys.argv[9:] == ["fail_write"]
-    fail_url = sys.argv[9] if len(sys.argv) > 9 and not fail_write else None
+    fail_url = sys.argv[9] if len(sys.argv) > 9 else None
+    failing = False  # while set, process 1's writes into a part buffer raise
     # A stuck job says where it is stuck (the test shows this stderr).
     faulthandler.dump_traceback_later(int(os.environ.get("KHD_WORKER_STACKS_AFTER_S", "200")), exit=True)
     join_job(process_id, num_processes, port, local_devices)
@@ -48,7 +47,7 @@ def main() -> None:
         return real_combine(self, path, number, reduce)
 
     def pwritev(self, handle, buffers, offset):
-        if fail_write and process_id == 1:
+        if failing and process_id == 1:
             raise OSError("injected by the test")
         return real_pwritev(self, handle, buffers, offset)
 
@@ -64,19 +63,18 @@ def main() -> None:
         variable.assign(variable.value + 0.5)
     failed = None
     if fail_url:
-        fail_write, error = True, None
+        failing, error = True, None
         try:
             keras_hub_dist.save_lora_adapter(backbone, fail_url, progress=False)
         except Exception as e:  # noqa: BLE001 - reported to the test
             error = f"{type(e).__name__}: {e}"
         failed = {"uploaded": uploaded[:], "combined": combined[:], "error": error}
-        fail_write = False
+        failing = False
         del uploaded[:], combined[:]
     error = None
     try:
         keras_hub_dist.save_lora_adapter(backbone, url, progress=False)
-        if not fail_write:
-            keras_hub_dist.save_lora_adapter(backbone, os.path.join(out_dir, "local"), progress=False)
+        keras_hub_dist.save_lora_adapter(backbone, os.path.join(out_dir, "local"), progress=False)
     except Exception as e:  # noqa: BLE001 - reported to the test
         error = f"{type(e).__name__}: {e}"
     report = {"uploaded": uploaded, "combined": combined, "error": error, "failed": failed}
