@@ -83,6 +83,13 @@ class lazy_import:  # noqa: N801 - stands for a module
         return getattr(pytest.importorskip(self._name), attr)
 
 
+def live_device_bytes():
+    """Bytes of every live JAX array, summed over the devices."""
+    from keras_hub_dist.measure import memory
+
+    return sum(memory.live_bytes_per_device().values())
+
+
 def jitted_outputs(model, inputs):
     """`model(inputs)` as one jitted program on the model's own (possibly
     sharded) weights: one XLA compilation, not one per eager op and
@@ -264,14 +271,13 @@ def clean_state():
     @contextlib.contextmanager
     def check():
         from keras_hub_dist import _compat
-        from keras_hub_dist.measure import memory
 
         gc.collect()
-        baseline = sum(memory.live_bytes_per_device().values())
+        baseline = live_device_bytes()
         yield
         gc.collect()
         assert keras.distribution.distribution() is None
         assert _compat.deferred_variables() == []
-        assert sum(memory.live_bytes_per_device().values()) <= baseline + 1024
+        assert live_device_bytes() <= baseline + 1024
 
     return check

@@ -9,6 +9,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+from conftest import live_device_bytes
 
 from keras_hub_dist import PresetError, UnknownPresetError, write_synthetic_preset
 from keras_hub_dist.measure import memory
@@ -91,7 +92,7 @@ def test_streaming_keeps_host_memory_bounded(tmp_path):
     # nor a whole tensor is ever in memory.
     kwargs = dict(GEMMA, vocabulary_size=65536, hidden_dim=1024, num_layers=1, intermediate_dim=64)
     gc.collect()
-    live_before = sum(memory.live_bytes_per_device().values())
+    live_before = live_device_bytes()
     memory.reset_host_peak_rss()
     rss_before = memory.current_rss_bytes()
     path = write_synthetic_preset(
@@ -102,7 +103,7 @@ def test_streaming_keeps_host_memory_bounded(tmp_path):
     size = os.path.getsize(os.path.join(path, "model.weights.h5"))
     assert size > 256e6
     assert growth < 64e6, f"host peak grew {growth / 1e6:.1f} MB writing {size / 1e6:.0f} MB"
-    assert sum(memory.live_bytes_per_device().values()) <= live_before + 1024
+    assert live_device_bytes() <= live_before + 1024
     datasets = read_datasets([os.path.join(path, "model.weights.h5")])
     assert all(d.contiguous for d in datasets.values())
 

@@ -8,7 +8,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-from conftest import MESH_SHAPES
+from conftest import MESH_SHAPES, live_device_bytes
 
 import keras_hub_dist
 from keras_hub_dist import _compat
@@ -17,9 +17,6 @@ from keras_hub_dist.plan import presets
 from keras_hub_dist.plan.abstract import per_device_bytes
 from keras_hub_dist.plan.mesh import abstract_device_mesh
 
-
-def _live_bytes() -> int:
-    return sum(memory.live_bytes_per_device().values())
 
 
 # Every named architecture's count against KerasHub's published metadata is
@@ -31,13 +28,13 @@ def _live_bytes() -> int:
 
 def test_27b_is_built_in_seconds_without_memory():
     rss_before = memory.current_rss_bytes()
-    live_before = _live_bytes()
+    live_before = live_device_bytes()
     start = time.perf_counter()
     report = keras_hub_dist.abstract_backbone("gemma2_27b_en", mesh=(1, 16))
     seconds = time.perf_counter() - start
     assert report.parameter_count == 27_227_128_320
     assert seconds < 20, seconds
-    assert _live_bytes() - live_before < 1 << 20
+    assert live_device_bytes() - live_before < 1 << 20
     # 54 GB of bf16 weights; the process grows by Python objects only.
     assert memory.current_rss_bytes() - rss_before < 1 << 30
     assert report.mesh_axis_sizes == {"batch": 1, "model": 16}

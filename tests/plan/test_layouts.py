@@ -9,9 +9,9 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+from conftest import live_device_bytes
 
 import keras_hub_dist
-from keras_hub_dist.measure import memory
 from keras_hub_dist.plan import specs as spec_lib
 from keras_hub_dist.plan import family_rules
 from keras_hub_dist.plan import layouts
@@ -37,9 +37,6 @@ _OWN_TESTS = (
 )
 
 
-def _live_bytes() -> int:
-    return sum(memory.live_bytes_per_device().values())
-
 
 @functools.cache
 def _abstract(name):
@@ -53,9 +50,9 @@ def _abstract(name):
     (test_fallback_on_a_built_model_an_abstract_one_and_a_preset_dir; the
     name itself in test_kerashub_gemma_map_fails_where_ours_falls_back and
     test_custom_axis_names_and_mesh_kinds)."""
-    before = _live_bytes()
+    before = live_device_bytes()
     report = keras_hub_dist.abstract_backbone(name)
-    return report, _live_bytes() - before
+    return report, live_device_bytes() - before
 
 
 @pytest.mark.parametrize(
