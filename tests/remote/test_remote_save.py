@@ -45,11 +45,10 @@ def presets(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models(presets, tmp_path_factory):
     """`models(name, mesh, local=True)` -> (the model, its local save's
-    files, or None without `local`), loaded
-    and saved on first use: one model per preset and mesh for the module,
-    as no test changes a model (saving only reads it), and one local save
-    per model and checksum chunk size (it does not depend on the store the
-    test writes to)."""
+    files, or None without `local`), loaded and saved on first use: one
+    model per preset and mesh for the module, as no test changes a model
+    (saving only reads it), and one local save per model and checksum chunk
+    size (it does not depend on the store the test writes to)."""
 
     @functools.cache
     def model(name, mesh):
