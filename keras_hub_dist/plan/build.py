@@ -122,7 +122,8 @@ def build_without_values(
         `(model, variables created)`, the variables still pending.
     """
     remat_scope(remat)  # an unknown mode fails before anything is built
-    with _compat.creating_variables_without_values() as created, _each_layer_kind_traced_once():
+    traced_once = contextlib.nullcontext() if _has_policy_map(config) else _each_layer_kind_traced_once()
+    with _compat.creating_variables_without_values() as created, traced_once:
         model = cls.from_config(dict(config))
     if remat is not None:
         apply_remat(model, remat)
@@ -143,6 +144,13 @@ def _fresh_tensor(value: Any) -> Any:
     return value
 
 
+def _has_policy_map(config: Mapping[str, Any]) -> bool:
+    dtype = config.get("dtype")
+    if isinstance(dtype, Mapping):
+        return dtype.get("class_name") == "DTypePolicyMap"
+    return isinstance(dtype, keras.dtype_policies.DTypePolicyMap)
+
+
 @contextlib.contextmanager
 def _each_layer_kind_traced_once() -> Iterator[None]:
     """Infers the output spec of each kind of layer call once per build.
@@ -152,15 +160,21 @@ def _each_layer_kind_traced_once() -> Iterator[None]:
     block after block, though all blocks of one config given the same input
     specs return the same specs. Here a call whose layer class, config (but
     its name), input specs and static arguments were seen already in this
-    build gets fresh tensors of the recorded specs instead. gpt-oss-120b's
-    abstract build: 4.93 -> 0.98 s; every named architecture's weights and
-    output specs are the same either way. A layer whose config or arguments
-    do not serialize is traced as Keras does.
+    build gets fresh tensors of the recorded specs instead. Abstract builds,
+    medians of 3 on the 2-core VM: gpt-oss-120b 4.27 -> 0.47 s, gpt-oss-20b
+    2.71 -> 0.56 s (most KerasHub blocks give their output shape without a
+    trace); every named architecture's weights, layers and output specs are
+    the same either way (tests/plan/test_abstract.py checks gpt-oss). A layer whose config or arguments
+    do not serialize is traced as Keras does. Not for a model whose dtype is
+    a `DTypePolicyMap` (a quantized preset's): Keras's `get_config` of such
+    a map sets its quantized policies' names to None (Keras 3.15).
     """
     traced: dict[tuple, Any] = {}
     keras_spec = keras.Operation.compute_output_spec
 
     def compute_output_spec(operation, *args, **kwargs):
+        if isinstance(getattr(operation, "dtype_policy", None), keras.dtype_policies.DTypePolicyMap):
+            return keras_spec(operation, *args, **kwargs)
         try:
             config = {k: v for k, v in operation.get_config().items() if k != "name"}
             key = (

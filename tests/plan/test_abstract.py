@@ -1,5 +1,6 @@
 """Abstract backbones: built with no weights, counted and sized per device."""
 
+import contextlib
 import time
 import warnings
 
@@ -140,3 +141,34 @@ def test_invalid_layout_is_caught_from_shapes():
         report.on_mesh(mesh, stock)
     assert "decoder_block_0/attention/key/kernel" in str(info.value)
     assert "(1, 2048, 256)" in str(info.value)
+
+
+def test_each_kind_of_block_is_traced_once_and_builds_what_keras_builds(monkeypatch):
+    """Blocks of one config are traced once per build; the model (weights,
+    layers, output specs) is the one Keras's block-by-block tracing builds.
+    gpt-oss alternates sliding-window and full attention: two kinds. (Most
+    KerasHub blocks give their output shape without a trace.)"""
+    from keras_hub_dist.plan import build
+
+    cls, config, _ = presets.backbone_config("gpt_oss_20b_en")
+    config = dict(config, num_layers=4)
+    traced = []
+    keras_spec = keras.Operation.compute_output_spec
+
+    def counting(operation, *args, **kwargs):
+        traced.append(type(operation).__name__)
+        return keras_spec(operation, *args, **kwargs)
+
+    def summary(model):
+        keras.backend.clear_session()  # the next build's automatic names restart
+        outputs = [(tuple(t.shape), t.dtype) for t in keras.tree.flatten(model.outputs)]
+        return build.specs_of(model), [layer.name for layer in model.layers], outputs
+
+    monkeypatch.setattr(keras.Operation, "compute_output_spec", counting)
+    keras.backend.clear_session()
+    ours = summary(build.build_abstract(cls, config))
+    ours_traced, traced[:] = list(traced), []
+    monkeypatch.setattr(build, "_each_layer_kind_traced_once", contextlib.nullcontext)
+    assert ours == summary(build.build_abstract(cls, config))
+    assert len([n for n in traced if "Decoder" in n]) == 4, traced
+    assert len([n for n in ours_traced if "Decoder" in n]) == 2, ours_traced
