@@ -164,10 +164,11 @@ def _each_layer_kind_traced_once() -> Iterator[None]:
     medians of 3 on the 2-core VM: gpt-oss-120b 4.27 -> 0.47 s, gpt-oss-20b
     2.71 -> 0.56 s (most KerasHub blocks give their output shape without a
     trace); every named architecture's weights, layers and output specs are
-    the same either way (tests/plan/test_abstract.py checks gpt-oss). A layer whose config or arguments
-    do not serialize is traced as Keras does. Not for a model whose dtype is
-    a `DTypePolicyMap` (a quantized preset's): Keras's `get_config` of such
-    a map sets its quantized policies' names to None (Keras 3.15).
+    the same either way (tests/plan/test_abstract.py checks gpt-oss). A
+    layer whose config or arguments do not serialize is traced as Keras
+    does. Not for a model whose dtype is a `DTypePolicyMap` (a quantized
+    preset's): Keras's `get_config` of such a map sets its quantized
+    policies' names to None (Keras 3.15).
     """
     traced: dict[tuple, Any] = {}
     keras_spec = keras.Operation.compute_output_spec
