@@ -13,11 +13,10 @@ bfloat16. Outputs are compared where the model is float32.
 
 import re
 
-import jax
-import keras
 import keras_hub
 import numpy as np
 import pytest
+from conftest import jitted_outputs
 
 from keras_hub_dist import load_sharded_preset
 from keras_hub_dist.formats import huggingface
@@ -54,20 +53,10 @@ def _inputs(config, backbone):
 
 
 def _outputs(backbone, inputs):
-    """One jitted forward pass: one compilation, not one per eager op (and,
-    for the sharded model, per op and sharding)."""
-
-    def forward(trainable, non_trainable, x):
-        out = backbone.stateless_call(trainable, non_trainable, x)[0]
-        out = out if isinstance(out, dict) else {"sequence_output": out}
-        return {k: keras.ops.cast(v, "float32") for k, v in out.items()}
-
-    out = jax.jit(forward)(
-        [v.value for v in backbone.trainable_variables],
-        [v.value for v in backbone.non_trainable_variables],
-        inputs,
-    )
-    return {k: np.asarray(v) for k, v in out.items()}
+    """The jitted forward pass's outputs, by name, as float32."""
+    out = jitted_outputs(backbone, inputs)
+    out = out if isinstance(out, dict) else {"sequence_output": out}
+    return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
 
 def _unnumbered(path):
