@@ -122,8 +122,7 @@ def build_without_values(
         `(model, variables created)`, the variables still pending.
     """
     remat_scope(remat)  # an unknown mode fails before anything is built
-    traced_once = contextlib.nullcontext() if _has_policy_map(config) else _each_layer_kind_traced_once()
-    with _compat.creating_variables_without_values() as created, traced_once:
+    with _compat.creating_variables_without_values() as created, _each_layer_kind_traced_once():
         model = cls.from_config(dict(config))
     if remat is not None:
         apply_remat(model, remat)
@@ -144,13 +143,6 @@ def _fresh_tensor(value: Any) -> Any:
     return value
 
 
-def _has_policy_map(config: Mapping[str, Any]) -> bool:
-    dtype = config.get("dtype")
-    if isinstance(dtype, Mapping):
-        return dtype.get("class_name") == "DTypePolicyMap"
-    return isinstance(dtype, keras.dtype_policies.DTypePolicyMap)
-
-
 @contextlib.contextmanager
 def _each_layer_kind_traced_once() -> Iterator[None]:
     """Infers the output spec of each kind of layer call once per build.
@@ -166,7 +158,7 @@ def _each_layer_kind_traced_once() -> Iterator[None]:
     trace); every named architecture's weights, layers and output specs are
     the same either way (tests/plan/test_abstract.py checks gpt-oss). A
     layer whose config or arguments do not serialize is traced as Keras
-    does. Not for a model whose dtype is a `DTypePolicyMap` (a quantized
+    does, and so is a layer whose dtype is a `DTypePolicyMap` (a quantized
     preset's): Keras's `get_config` of such a map sets its quantized
     policies' names to None (Keras 3.15).
     """
