@@ -7,9 +7,9 @@ simulated CPU devices and reads XLA's per-device memory analysis, twice:
 - stock: KerasHub's own layout map (`Backbone.get_layout_map`), its own
   `generate` (the prompt pass over all `max_length` positions at once, no
   cache layout), Keras's train step with nothing rematerialized;
-- ours: the package's default layouts (attention split on heads), the
-  chunked prompt pass with the batch on the batch axis, and for `fit` also
-  with `remat="full"`.
+- ours: the package's default layouts, the batch kept on the batch axis
+  between decoder blocks (`plan.batch_axis`), the chunked prompt pass with
+  the batch on the batch axis, and for `fit` also with `remat="full"`.
 
 Printed: per-device weights + state (XLA's arguments), temporaries and total
 (arguments + outputs + temporaries - aliases) in MiB, and ours / stock. The
@@ -22,6 +22,7 @@ are each plan's wall time (build, lower, compile) on this machine.
     python benchmarks/bench_plan.py                       # reduced depth (2 layers), the table
     python benchmarks/bench_plan.py --archs gemma_7b_en --jobs fit --full    # full depth
     python benchmarks/bench_plan.py --headline            # the README's two full-size rows
+    python benchmarks/bench_plan.py --batch-axis          # fit per added layer, batch kept split or not
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 import keras_hub_dist  # noqa: E402
+from keras_hub_dist.plan import build  # noqa: E402
 
 ARCHS = ("gemma_7b_en", "gemma2_9b_en", "llama3_8b_en", "qwen3_8b_en", "mistral_7b_en", "gpt_oss_20b_en")
 MIB = 2**20
@@ -83,6 +85,31 @@ def table(archs, jobs, meshes, full, fit_shape, generate_shape, lora_rank):
                     _row("ours + remat", remat, t, stock)
 
 
+def batch_axis(archs, meshes, seqs):
+    """A fit step (Adam, batch 8, full fine-tune) at 1 and 2 layers, with the
+    batch kept on the data axis between blocks (ours) and without (the
+    blocks left to XLA, as stock): temporaries and each added layer's."""
+    keep = build.keep_batch_split
+    for arch in archs:
+        for seq in seqs:
+            for mesh in meshes:
+                figures = {}
+                for kept in (False, True):
+                    build.keep_batch_split = keep if kept else (lambda model: None)
+                    try:
+                        one, _ = _plan(arch, mesh, "fit", stock=False, num_layers=1, batch_size=8, sequence_length=seq)
+                        two, _ = _plan(arch, mesh, "fit", stock=False, num_layers=2, batch_size=8, sequence_length=seq)
+                    finally:
+                        build.keep_batch_split = keep
+                    figures[kept] = (one.temp_bytes / MIB, (two.temp_bytes - one.temp_bytes) / MIB)
+                (before, before_layer), (after, after_layer) = figures[False], figures[True]
+                print(
+                    f"{arch} fit 8x{seq} mesh {mesh[0]}x{mesh[1]}: temporaries 1 layer {before:,.0f} -> {after:,.0f} MiB, "
+                    f"each added layer {before_layer:,.0f} -> {after_layer:,.0f} MiB ({after_layer / before_layer:.2f}x)",
+                    flush=True,
+                )
+
+
 def headline():
     """Full-size Gemma-7B LoRA r=8 fit (Adam, 8 x 2048) and Llama-3-8B generate
     (8 x 8192) on (1, 8), against 16 GiB per device."""
@@ -110,6 +137,7 @@ def main():
     parser.add_argument("--generate", default="8x8192", help="BATCHxMAX_LENGTH of generate. Default: %(default)s.")
     parser.add_argument("--lora", type=int, default=8, help="LoRA rank of the fit (0: full fine-tune).")
     parser.add_argument("--headline", action="store_true")
+    parser.add_argument("--batch-axis", action="store_true", help="Fit with and without the batch kept split.")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, keras_hub_dist {keras_hub_dist.__version__}, {jax.device_count()} devices: "
           f"{jax.devices()[0].platform}")
@@ -117,6 +145,10 @@ def main():
         headline()
         return
     shape = lambda text: tuple(int(x) for x in text.split("x"))  # noqa: E731
+    if args.batch_axis:
+        archs = args.archs.split(",") if args.archs != ",".join(ARCHS) else ["llama3_8b_en", "gemma_7b_en"]
+        batch_axis(archs, [shape(m) for m in "1x8,2x4,8x1".split(",")], (512, 2048))
+        return
     table(
         args.archs.split(","), args.jobs.split(","), [shape(m) for m in args.meshes.split(",")],
         args.full, shape(args.fit), shape(args.generate), args.lora,

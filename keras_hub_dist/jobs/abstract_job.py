@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -113,12 +114,24 @@ def _concrete_task(task_cls: type, backbone_cls: type) -> type:
             isinstance(candidate, type)
             and issubclass(candidate, task_cls)
             and getattr(candidate, "backbone_cls", None) is backbone_cls
+            and _built_from_a_backbone(candidate)
         ):
             return candidate
     raise LayoutError(
         f"Expected a {task_cls.__name__} for {backbone_cls.__name__}. Received: "
         "none in keras_hub.models."
     )
+
+
+def _built_from_a_backbone(cls: type) -> bool:
+    """Whether `cls(backbone=..., preprocessor=None)` constructs it: not a
+    task that needs more (Gemma 4's `Gemma4AssistantCausalLM`, a drafter
+    with its own sizes, shares `Gemma4Backbone` with `Gemma4CausalLM`)."""
+    required = [
+        p.name for p in inspect.signature(cls.__init__).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    return set(required) <= {"self", "backbone", "preprocessor"}
 
 
 def abstract_job(
@@ -142,7 +155,8 @@ def abstract_job(
             a `(batch, model)` shape, a dict, a Keras or JAX mesh.
         layout_map: A `keras.distribution.LayoutMap`; default the package's
             map for the family, checked per shape (`get_layout_map`).
-        stock_layout: Use the backbone's own KerasHub map instead (stock).
+        stock_layout: Use the backbone's own KerasHub map instead, and
+            leave the blocks' outputs to XLA (stock).
         quantize: `"int8"` / `"int4"`: the layers Keras would quantize hold
             quantized variables, laid out as a quantized load lays them out.
         lora_rank: LoRA on the projections PEFT adapts (`enable_lora`).
@@ -154,7 +168,7 @@ def abstract_job(
         LayoutError: The mesh needs more devices than this process has.
     """
     keras_mesh = device_mesh(mesh)
-    backbone = build_abstract(backbone_cls, config, remat)
+    backbone = build_abstract(backbone_cls, config, remat, batch_split=not stock_layout)
     if quantize is not None:
         quantize_without_values(backbone, quantize)
     source = "keras_hub_dist"

@@ -43,6 +43,7 @@ import keras
 
 from keras_hub_dist import _compat
 from keras_hub_dist.plan import presets
+from keras_hub_dist.plan.batch_axis import keep_batch_split
 from keras_hub_dist.plan.remat import REMAT_MODES, apply_remat, remat_scope
 from keras_hub_dist.plan.sizes import itemsize
 
@@ -102,7 +103,7 @@ class _NoValue:
 
 
 def build_without_values(
-    cls: type, config: Mapping[str, Any], remat: Any = None
+    cls: type, config: Mapping[str, Any], remat: Any = None, *, batch_split: bool = True
 ) -> tuple[keras.Model, list[Any]]:
     """Constructs `cls.from_config(config)` with no variable given a value.
 
@@ -117,6 +118,9 @@ def build_without_values(
         remat: Rematerialization of the decoder blocks in training
             (`plan.remat.apply_remat`): `None` (off), a `keras.RematScope`
             mode name or a scope.
+        batch_split: Keep the batch on the mesh's data axis between the
+            decoder blocks in training (`plan.batch_axis.keep_batch_split`);
+            `False`: as stock KerasHub.
 
     Returns:
         `(model, variables created)`, the variables still pending.
@@ -124,6 +128,8 @@ def build_without_values(
     remat_scope(remat)  # an unknown mode fails before anything is built
     with _compat.creating_variables_without_values() as created, _each_layer_kind_traced_once():
         model = cls.from_config(dict(config))
+    if batch_split:
+        keep_batch_split(model)
     if remat is not None:
         apply_remat(model, remat)
     return model, created
@@ -189,10 +195,13 @@ def _each_layer_kind_traced_once() -> Iterator[None]:
         keras.Operation.compute_output_spec = keras_spec
 
 
-def build_abstract(cls: type, config: Mapping[str, Any], remat: Any = None) -> keras.Model:
+def build_abstract(
+    cls: type, config: Mapping[str, Any], remat: Any = None, *, batch_split: bool = True
+) -> keras.Model:
     """`cls.from_config(config)` whose variables raise on an eager read
-    (its decoder blocks rematerialized as `remat=` asks, as `build_without_values`)."""
-    model, created = build_without_values(cls, config, remat)
+    (its decoder blocks rematerialized and kept batch-split as
+    `build_without_values` does)."""
+    model, created = build_without_values(cls, config, remat, batch_split=batch_split)
     for variable in created:
         _compat.set_pending_initializer(variable, _NoValue(variable.path))
     return model

@@ -294,8 +294,10 @@ def test_gemma_norm_scales_are_split_on_the_model_axis(mesh):
 @pytest.mark.parametrize("mesh", [(1, 8), (2, 4), (8, 1)])
 def test_gemma_fit_temporaries_below_stock(mesh):
     # The norm scales on the model axis keep the residual stream split on
-    # it, so the activations a fit step keeps for its backward pass are
-    # split over the model axis. Compile only (plan_memory, abstract).
+    # it, and on (2, 4) each block's output keeps the batch on the data
+    # axis (`plan.batch_axis`), so the activations a fit step keeps for its
+    # backward pass are split over both axes. Compile only (plan_memory,
+    # abstract).
     plans = {
         stock: keras_hub_dist.plan_memory(
             "gemma_7b_en", mesh, job="fit", num_layers=1, dtype="bfloat16",
@@ -305,6 +307,6 @@ def test_gemma_fit_temporaries_below_stock(mesh):
         for stock in (True, False)
     }
     ratio = plans[False].temp_bytes / plans[True].temp_bytes
-    # Measured (XLA:CPU, jax 0.10.2): 0.58x on (1, 8); no model split to
-    # keep on (8, 1) and none kept on (2, 4) (docs/layouts.md): 1.00x.
-    assert ratio <= (0.75 if mesh == (1, 8) else 1.0), ratio
+    # Measured (XLA:CPU, jax 0.10.2): 0.58x on (1, 8), 0.73x on (2, 4); on
+    # (8, 1) no model split to keep and the blocks are left to XLA: 1.00x.
+    assert ratio <= (1.0 if mesh == (8, 1) else 0.75), ratio

@@ -1,0 +1,108 @@
+"""The batch on the batch axis between decoder blocks (training, forward).
+
+Under `keras.distribution.ModelParallel`, Keras splits a batch over the
+mesh's data axis, and the package's maps (like KerasHub's) also split every
+large weight over that axis (storage sharding). Between the two, XLA's
+sharding propagation is free to gather the batch instead of the weights,
+and on a mesh whose data axis is over 1 it does: a fit step then computes
+each block on every batch row, on every device. `keep_batch_split` wraps
+each decoder block's call so that its hidden states leave the block with
+their batch dimension on the data axis (every other dimension left to XLA):
+XLA then gathers each block's weights for the step (as FSDP does) and keeps
+the activations split over the batch.
+
+Measured with XLA's compiled memory analysis (XLA:CPU, 8 simulated devices,
+bf16, Adam, full fine-tune, per device; `python benchmarks/bench_plan.py
+--batch-axis`, BENCHMARKS.md), temporaries of 1 layer / each added layer
+(2 layers - 1 layer), left to XLA -> kept split:
+
+| fit on (2, 4) | 8 x 512 | 8 x 2048 |
+|---|---|---|
+| Llama-3-8B width | 2,732 / 889 -> 2,508 / 430 MiB | 11,707 / 6,092 -> 5,773 / 2,057 MiB |
+| Gemma-7B width | 3,906 / 664 -> 3,510 / 595 MiB | 11,815 / 2,249 -> 8,256 / 1,972 MiB |
+
+(On (1, 8): Llama 1,624 / 402 and 5,417 / 2,065 MiB, Gemma 2,705 / 508 and
+8,033 / 2,022 MiB.) What a block holds on (2, 4) beyond (1, 8)'s at 8 x 512
+is FSDP's: each weight's gradient is summed over the local half of the
+batch at the size of its model-axis shard before it is reduce-scattered
+over the data axis. On a mesh that is all data axis, (8, 1), the same
+constraint lowered the 1-layer figure (Llama 8 x 512 7,503 -> 5,949 MiB)
+but raised each added layer (1,202 -> 1,654 MiB; Gemma 1,348 -> 1,639 MiB;
+at 8 x 2048 0.77x and 1.00x): there every weight is gathered whole, and the
+blocks are left to XLA.
+
+Only traced calls whose output is one array are constrained (a call with a
+cache returns a tuple: `generate` lays its own out, `shard_generate`), only
+under a distribution whose data axis is over 1, divides the batch, and is
+not the whole mesh.
+
+Example:
+
+```python
+import keras_hub
+from keras_hub_dist.plan.batch_axis import keep_batch_split
+from keras_hub_dist.plan.build import build_without_values
+
+backbone, _ = build_without_values(
+    keras_hub.models.LlamaBackbone,
+    dict(vocabulary_size=256, num_layers=2, num_query_heads=4,
+         num_key_value_heads=2, hidden_dim=32, intermediate_dim=64),
+)
+keep_batch_split(backbone)   # build_without_values does it by default
+```
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import keras
+
+__all__ = ["keep_batch_split"]
+
+
+def keep_batch_split(model: Any) -> None:
+    """Constrains each decoder block's output batch to the data axis.
+
+    Wraps the call of every block in `model`'s (or its backbone's)
+    `transformer_layers`; calling it again changes nothing. A model without
+    decoder blocks is left as it is.
+    """
+    for block in _blocks(model):
+        if not hasattr(block.call, "batch_unconstrained"):
+            block.call = _constrained_call(block.call)
+
+
+def _blocks(model: Any) -> list[Any]:
+    backbone = getattr(model, "backbone", model)
+    return list(getattr(backbone, "transformer_layers", None) or [])
+
+
+def _constrained_call(call: Any) -> Any:
+    @functools.wraps(call)
+    def constrained_call(*args: Any, **kwargs: Any) -> Any:
+        return _batch_on_data_axis(call(*args, **kwargs))
+
+    constrained_call.batch_unconstrained = call
+    return constrained_call
+
+
+def _batch_on_data_axis(output: Any) -> Any:
+    if not isinstance(output, jax.core.Tracer) or output.ndim < 2:
+        return output
+    distribution = keras.distribution.distribution()
+    axis = getattr(distribution, "batch_dim_name", None)
+    if axis is None:
+        return output
+    mesh = distribution.device_mesh.backend_mesh
+    size = mesh.shape.get(axis, 1)
+    # On a mesh that is all data axis (8, 1) every weight is split over the
+    # batch's axis alone, and gathering each block's weights cost more than
+    # XLA's own choice at 8 x 512 (module docstring): left to XLA there.
+    if size in (1, mesh.size) or output.shape[0] % size:
+        return output
+    unconstrained = jax.sharding.PartitionSpec.UNCONSTRAINED
+    spec = jax.sharding.PartitionSpec(axis, *[unconstrained] * (output.ndim - 1))
+    return jax.lax.with_sharding_constraint(output, jax.sharding.NamedSharding(mesh, spec))

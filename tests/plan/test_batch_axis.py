@@ -1,0 +1,91 @@
+"""The batch kept on the data axis between decoder blocks (`plan.batch_axis`).
+
+The memory tests compile only (XLA's `memory_analysis()` of Keras's train
+step on abstract models, no weight allocated); the values test runs one real
+train step each way.
+"""
+
+import re
+
+import jax
+import keras
+import keras_hub
+import numpy as np
+import pytest
+
+import keras_hub_dist
+from keras_hub_dist.jobs import programs
+from keras_hub_dist.jobs.abstract_job import abstract_job
+
+# Wide enough that a block's activations outweigh its weights' transients.
+WIDE_LLAMA = dict(
+    vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8,
+    hidden_dim=256, intermediate_dim=512, dtype="float32",
+)
+BATCH, SEQ = 8, 256
+
+
+def _unconstrained(task):
+    for block in task.backbone.transformer_layers:
+        block.call = block.call.batch_unconstrained
+
+
+def _fit_temps(job):
+    lowered = programs.lower_fit(job, BATCH, SEQ, "adam")
+    return programs.program_memory(lowered.compile())["temp_bytes"], lowered.as_text()
+
+
+@pytest.mark.parametrize("mesh", [(1, 8), (2, 4), (8, 1)])
+def test_blocks_keep_the_batch_on_the_data_axis(mesh, clean_state):
+    with clean_state():
+        kept, text = _fit_temps(abstract_job(keras_hub.models.LlamaBackbone, WIDE_LLAMA, mesh))
+        job = abstract_job(keras_hub.models.LlamaBackbone, WIDE_LLAMA, mesh)
+        _unconstrained(job.task)
+        gathered, stock_text = _fit_temps(job)
+    if 1 in mesh:
+        # No data axis to keep the batch on, or no other axis: left to XLA,
+        # the very program stock compiles.
+        assert kept == gathered
+        assert text == stock_text
+    else:
+        # Each block's output (and its cotangent) is constrained to the data
+        # axis, every other dimension left to XLA: XLA gathers the weights,
+        # not the batch.
+        found = re.findall(r"sharding_constraint %\d+ (<.*)", text)
+        assert found == ['<@mesh, [{"batch"}, {?}, {?}]> : tensor<8x256x256xf32>'] * 4
+        assert "sharding_constraint" not in stock_text
+        assert kept < 0.8 * gathered, (kept, gathered)
+
+
+def test_a_stock_plan_leaves_the_blocks_to_xla(clean_state):
+    with clean_state():
+        ours = abstract_job(keras_hub.models.LlamaBackbone, WIDE_LLAMA, (2, 4))
+        stock = abstract_job(keras_hub.models.LlamaBackbone, WIDE_LLAMA, (2, 4), stock_layout=True)
+    assert all(hasattr(b.call, "batch_unconstrained") for b in ours.task.backbone.transformer_layers)
+    assert not any(hasattr(b.call, "batch_unconstrained") for b in stock.task.backbone.transformer_layers)
+
+
+def test_a_train_step_computes_what_stock_computes(tmp_path):
+    """One real train step on (2, 4): the same loss and updated weights with
+    the batch kept split as with XLA's own choice (f32, within 1e-6)."""
+    config = dict(WIDE_LLAMA, hidden_dim=64, intermediate_dim=128)
+    preset = keras_hub_dist.write_synthetic_preset(
+        str(tmp_path / "llama"), keras_hub.models.LlamaBackbone, tokenizer=True, **config
+    )
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (BATCH, 32)).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones((BATCH, 32), bool)}
+    results = []
+    for keep in (True, False):
+        lm = keras_hub_dist.load_sharded_preset(preset, mesh=(2, 4), task="causal_lm")
+        if not keep:
+            _unconstrained(lm)
+        lm.preprocessor = None
+        lm.compile(optimizer=keras.optimizers.SGD(0.1))
+        loss = lm.train_on_batch(x, tokens)
+        results.append((loss, [np.asarray(jax.device_get(v.value)) for v in lm.trainable_weights]))
+        del lm
+    (loss, weights), (stock_loss, stock_weights) = results
+    np.testing.assert_allclose(loss, stock_loss, rtol=1e-6)
+    for ours, stock in zip(weights, stock_weights):
+        np.testing.assert_allclose(ours, stock, rtol=1e-5, atol=1e-6)
