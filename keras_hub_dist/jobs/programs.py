@@ -84,13 +84,27 @@ def fit_batch(job: AbstractJob, batch_size: int, sequence_length: int) -> tuple:
     """`(x, y, sample_weight)` of one batch, as a causal LM's preprocessor
     gives it and Keras's `ModelParallel` lays it out (batch on the data axis)."""
 
-    def spec(dtype: str) -> jax.ShapeDtypeStruct:
-        shape = (batch_size, sequence_length)
+    def spec(dtype: str, shape: tuple[int, ...] = (batch_size, sequence_length)) -> jax.ShapeDtypeStruct:
         layout = job.distribution.get_data_layout(shape)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=layout.backend_layout)
 
     x = {"token_ids": spec("int32"), "padding_mask": spec("bool")}
+    # Qwen 3.5's vision-language backbone takes its images as inputs too: a
+    # text-only batch holds none, the zero-sized arrays its own `__call__`
+    # puts in for a text-only call. (Gemma 4's also needs position ids and
+    # masks of the text's length: not planned for fit.)
+    for name, tensor in _named_inputs(job.task.backbone).items():
+        if name in _NO_IMAGE:
+            x[name] = spec(tensor.dtype, (batch_size, 0, *tensor.shape[2:]))
     return x, spec("int32"), spec("bool")
+
+
+_NO_IMAGE = ("pixel_values", "image_grid_thw", "vision_indices")
+
+
+def _named_inputs(backbone: Any) -> dict[str, Any]:
+    inputs = getattr(backbone, "input", None)
+    return dict(inputs) if isinstance(inputs, dict) else {}
 
 
 def lower_fit(job: AbstractJob, batch_size: int, sequence_length: int, optimizer: Any) -> jax.stages.Lowered:

@@ -25,16 +25,24 @@ bf16, Adam, full fine-tune, per device; `python benchmarks/bench_plan.py
 8,033 / 2,022 MiB.) What a block holds on (2, 4) beyond (1, 8)'s at 8 x 512
 is FSDP's: each weight's gradient is summed over the local half of the
 batch at the size of its model-axis shard before it is reduce-scattered
-over the data axis. On a mesh that is all data axis, (8, 1), the same
-constraint lowered the 1-layer figure (Llama 8 x 512 7,503 -> 5,949 MiB)
-but raised each added layer (1,202 -> 1,654 MiB; Gemma 1,348 -> 1,639 MiB;
-at 8 x 2048 0.77x and 1.00x): there every weight is gathered whole, and the
-blocks are left to XLA.
+over the data axis.
+
+On a mesh that is all data axis, (8, 1), every weight is gathered whole, and
+keeping the batch split pays only when the activations outweigh it. Measured
+(same command, temporaries 1 layer / each added layer, left to XLA -> kept
+split): Llama 8 x 512 7,503 / 1,202 -> 5,949 / 1,654 MiB (worse from the
+fifth layer on), 8 x 2048 21,798 / 3,357 -> 8,459 / 2,585 MiB; Gemma
+8 x 512 12,760 / 1,348 -> 9,018 / 1,639 MiB, 8 x 2048 38,102 / 2,608 ->
+14,081 / 2,620 MiB (better at full depth). There a block's output is kept
+split only when it holds at least 1/8 of the block's parameter count: the
+losing cases are 0.077 (Llama 8 x 512), 0.045 (Gemma 8 x 512) and 0.062
+(`tests/plan/test_layouts.py`'s wide Gemma at 8 x 128), the winning ones
+0.31, 0.18 and 0.25 (that Gemma at 8 x 512): a rule read off six measured
+points, not a cost model.
 
 Only traced calls whose output is one array are constrained (a call with a
 cache returns a tuple: `generate` lays its own out, `shard_generate`), only
-under a distribution whose data axis is over 1, divides the batch, and is
-not the whole mesh.
+under a distribution whose data axis is over 1 and divides the batch.
 
 Example:
 
@@ -55,6 +63,7 @@ keep_batch_split(backbone)   # build_without_values does it by default
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -72,7 +81,7 @@ def keep_batch_split(model: Any) -> None:
     """
     for block in _blocks(model):
         if not hasattr(block.call, "batch_unconstrained"):
-            block.call = _constrained_call(block.call)
+            block.call = _constrained_call(block)
 
 
 def _blocks(model: Any) -> list[Any]:
@@ -80,16 +89,23 @@ def _blocks(model: Any) -> list[Any]:
     return list(getattr(backbone, "transformer_layers", None) or [])
 
 
-def _constrained_call(call: Any) -> Any:
+def _constrained_call(block: Any) -> Any:
+    call = block.call
+
     @functools.wraps(call)
     def constrained_call(*args: Any, **kwargs: Any) -> Any:
-        return _batch_on_data_axis(call(*args, **kwargs))
+        return _batch_on_data_axis(call(*args, **kwargs), block)
 
     constrained_call.batch_unconstrained = call
     return constrained_call
 
 
-def _batch_on_data_axis(output: Any) -> Any:
+# On a mesh that is all data axis, the batch is kept split only when a
+# block's output holds at least this fraction of its parameter count.
+_ALL_DATA_AXIS_MIN_RATIO = 0.125
+
+
+def _batch_on_data_axis(output: Any, block: Any) -> Any:
     if not isinstance(output, jax.core.Tracer) or output.ndim < 2:
         return output
     distribution = keras.distribution.distribution()
@@ -98,11 +114,14 @@ def _batch_on_data_axis(output: Any) -> Any:
         return output
     mesh = distribution.device_mesh.backend_mesh
     size = mesh.shape.get(axis, 1)
-    # On a mesh that is all data axis (8, 1) every weight is split over the
-    # batch's axis alone, and gathering each block's weights cost more than
-    # XLA's own choice at 8 x 512 (module docstring): left to XLA there.
-    if size in (1, mesh.size) or output.shape[0] % size:
+    if size == 1 or output.shape[0] % size:
         return output
+    if size == mesh.size and output.size < _ALL_DATA_AXIS_MIN_RATIO * _parameter_count(block):
+        return output  # (8, 1), short sequences: gathering whole weights costs more
     unconstrained = jax.sharding.PartitionSpec.UNCONSTRAINED
     spec = jax.sharding.PartitionSpec(axis, *[unconstrained] * (output.ndim - 1))
     return jax.lax.with_sharding_constraint(output, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _parameter_count(block: Any) -> int:
+    return sum(math.prod(weight.shape) for weight in block.weights)

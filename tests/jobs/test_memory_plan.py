@@ -13,6 +13,8 @@ from conftest import MESH_SHAPES
 
 import keras_hub_dist
 from keras_hub_dist import PlanError, UnknownPresetError
+from keras_hub_dist.jobs import programs
+from keras_hub_dist.jobs.abstract_job import abstract_job
 from keras_hub_dist.jobs.memory_plan import plan_memory
 from keras_hub_dist.measure import memory, program_watch
 from keras_hub_dist.validate.cli import main as cli_main
@@ -215,3 +217,27 @@ def test_cli_prints_the_plan_and_its_verdict(gemma_preset, capsys):
     assert code == 1 and report["fits"] is False and report["mesh_axis_sizes"] == {"batch": 1, "model": 8}
     assert cli_main(["plan", gemma_preset, "--mesh", "3x8"]) == 2
     assert "Expected at least 24 devices" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, task, inputs",
+    [
+        # Gemma4AssistantCausalLM (a drafter with sizes of its own) shares
+        # Gemma4Backbone: the job is Gemma4CausalLM's, as a load builds it.
+        ("gemma4_31b", "Gemma4CausalLM", None),
+        # A vision-language backbone: a text-only batch, no image in it.
+        ("qwen3_5_0.8b", "Qwen3_5CausalLM", {"token_ids", "padding_mask", "pixel_values", "image_grid_thw", "vision_indices"}),
+    ],
+)
+def test_a_job_is_the_task_a_load_builds_with_a_text_batch(name, task, inputs):
+    cls, config, _ = keras_hub_dist.presets.backbone_config(name, num_layers=1)
+    job = abstract_job(cls, config, (2, 4))
+    assert type(job.task).__name__ == task
+    if inputs is None:
+        return
+    x, y, weights = programs.fit_batch(job, 8, 16)
+    assert set(x) == inputs
+    for name, spec in x.items():
+        assert spec.shape[0] == 8 and spec.sharding.spec[0] == "batch", name
+        if name not in ("token_ids", "padding_mask"):
+            assert spec.shape[1] == 0, name

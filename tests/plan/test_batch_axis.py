@@ -30,20 +30,25 @@ def _unconstrained(task):
         block.call = block.call.batch_unconstrained
 
 
-def _fit_temps(job):
-    lowered = programs.lower_fit(job, BATCH, SEQ, "adam")
+def _fit_temps(job, seq):
+    lowered = programs.lower_fit(job, BATCH, seq, "adam")
     return programs.program_memory(lowered.compile())["temp_bytes"], lowered.as_text()
 
 
-@pytest.mark.parametrize("mesh", [(1, 8), (2, 4), (8, 1)])
-def test_blocks_keep_the_batch_on_the_data_axis(mesh, clean_state):
+@pytest.mark.parametrize(
+    "mesh, seq, kept_split",
+    [((1, 8), SEQ, False), ((2, 4), SEQ, True), ((8, 1), SEQ, True), ((8, 1), 16, False)],
+    ids=["1x8", "2x4", "8x1", "8x1-short"],
+)
+def test_blocks_keep_the_batch_on_the_data_axis(mesh, seq, kept_split, clean_state):
     with clean_state():
-        kept, text = _fit_temps(abstract_job(keras_hub.models.LlamaBackbone, WIDE_LLAMA, mesh))
+        kept, text = _fit_temps(abstract_job(keras_hub.models.LlamaBackbone, WIDE_LLAMA, mesh), seq)
         job = abstract_job(keras_hub.models.LlamaBackbone, WIDE_LLAMA, mesh)
         _unconstrained(job.task)
-        gathered, stock_text = _fit_temps(job)
-    if 1 in mesh:
-        # No data axis to keep the batch on, or no other axis: left to XLA,
+        gathered, stock_text = _fit_temps(job, seq)
+    if not kept_split:
+        # No data axis to keep the batch on; or all data axis, and a block's
+        # output (8 x 16 x 256) under 1/8 of its parameters: left to XLA,
         # the very program stock compiles.
         assert kept == gathered
         assert text == stock_text
@@ -52,7 +57,7 @@ def test_blocks_keep_the_batch_on_the_data_axis(mesh, clean_state):
         # axis, every other dimension left to XLA: XLA gathers the weights,
         # not the batch.
         found = re.findall(r"sharding_constraint %\d+ (<.*)", text)
-        assert found == ['<@mesh, [{"batch"}, {?}, {?}]> : tensor<8x256x256xf32>'] * 4
+        assert found == [f'<@mesh, [{{"batch"}}, {{?}}, {{?}}]> : tensor<8x{seq}x256xf32>'] * 4
         assert "sharding_constraint" not in stock_text
         assert kept < 0.8 * gathered, (kept, gathered)
 
