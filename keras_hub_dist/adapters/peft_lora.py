@@ -78,7 +78,8 @@ def enable_lora(
             Hugging Face format).
         rank: The rank `r`.
         lora_alpha: Updates are scaled by `lora_alpha / rank`; default `rank`.
-        target_modules: Transformers module names, e.g. `("q_proj", "v_proj")`.
+        target_modules: Transformers module names, e.g. `("q_proj", "v_proj")`;
+            default: those of q/k/v/o and gate/up/down `_proj` the model has.
         remat: Rematerialization for training the adapters: `None` leaves
             the model's as it is (as built: off unless loaded with
             `remat=`); a `keras.RematScope` mode (`"full"`: each decoder
@@ -134,6 +135,11 @@ def enable_lora_without_values(
 
 def _chosen_layers(backbone: Any, target_modules: Sequence[str]) -> list[Any]:
     modules = lora_modules(backbone)
+    if target_modules is ALL_PROJECTIONS:
+        # The default: each of them the model has (gpt-oss's experts are
+        # stacked banks, not projections PEFT adapts).
+        present = {m.target for _, m in modules}
+        target_modules = tuple(t for t in ALL_PROJECTIONS if t in present)
     _check_targets(tuple(target_modules), modules, ValueError)
     return [layer for layer, m in modules if m.target in set(target_modules)]
 

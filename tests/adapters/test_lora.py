@@ -296,3 +296,20 @@ def test_verify_checks_the_adapter_too(root, tmp_path, clean_state):
         f.write(bytes([byte[0] ^ 1]))
     with clean_state(), pytest.raises(PresetError, match="adapter_model.safetensors"):
         keras_hub_dist.load_sharded_preset(base, mesh=(2, 4), progress=False, lora_adapter=saved, verify=True)
+
+
+def test_the_default_targets_are_the_projections_the_model_has():
+    # gpt-oss has no gate / up / down projections (its experts are stacked
+    # banks): by default only its attention projections are adapted, in a
+    # plan as in a real run.
+    from keras_hub_dist.adapters import enable_lora_without_values
+    from keras_hub_dist.jobs.abstract_job import abstract_job
+
+    cls, config, _ = keras_hub_dist.presets.backbone_config("gpt_oss_20b_en", num_layers=1)
+    job = abstract_job(cls, config, (1, 8), lora_rank=4)
+    adapted = {v.path.rsplit("/", 2)[-2] for v in job.task.trainable_variables if "lora" in v.path}
+    assert adapted and all(p.endswith(("query", "key", "value", "attention_output")) for p in adapted), adapted
+    # Named explicitly, a projection it does not have is still refused.
+    task = abstract_job(cls, config, (1, 8)).task
+    with pytest.raises(ValueError, match="'gate_proj', which this model does not have"):
+        enable_lora_without_values(task, 4, target_modules=("q_proj", "gate_proj"))
