@@ -35,6 +35,7 @@ import jax
 import keras
 
 from keras_hub_dist import _compat
+from keras_hub_dist.errors import PlanError
 from keras_hub_dist.jobs.abstract_job import AbstractJob, sharding_of
 from keras_hub_dist.load import generate as load_generate
 from keras_hub_dist.measure.memory import compiled_memory
@@ -93,9 +94,18 @@ def fit_batch(job: AbstractJob, batch_size: int, sequence_length: int) -> tuple:
     # text-only batch holds none, the zero-sized arrays its own `__call__`
     # puts in for a text-only call. (Gemma 4's also needs position ids and
     # masks of the text's length: not planned for fit.)
-    for name, tensor in _named_inputs(job.task.backbone).items():
+    inputs = _named_inputs(job.task.backbone)
+    for name, tensor in inputs.items():
         if name in _NO_IMAGE:
             x[name] = spec(tensor.dtype, (batch_size, 0, *tensor.shape[2:]))
+    missing = sorted(set(inputs) - set(x))
+    if missing:
+        raise PlanError(
+            "Expected a backbone whose fit batch is text (token_ids, "
+            f"padding_mask). Received: {type(job.task.backbone).__name__}, "
+            f"which also takes {missing}: its fit is not planned; plan its "
+            'job="generate" or job="load".'
+        )
     return x, spec("int32"), spec("bool")
 
 

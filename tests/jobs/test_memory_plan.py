@@ -224,7 +224,7 @@ def test_cli_prints_the_plan_and_its_verdict(gemma_preset, capsys):
     [
         # Gemma4AssistantCausalLM (a drafter with sizes of its own) shares
         # Gemma4Backbone: the job is Gemma4CausalLM's, as a load builds it.
-        ("gemma4_31b", "Gemma4CausalLM", None),
+        ("gemma4_2b", "Gemma4CausalLM", None),
         # A vision-language backbone: a text-only batch, no image in it.
         ("qwen3_5_0.8b", "Qwen3_5CausalLM", {"token_ids", "padding_mask", "pixel_values", "image_grid_thw", "vision_indices"}),
     ],
@@ -234,6 +234,9 @@ def test_a_job_is_the_task_a_load_builds_with_a_text_batch(name, task, inputs):
     job = abstract_job(cls, config, (2, 4))
     assert type(job.task).__name__ == task
     if inputs is None:
+        # Gemma 4's text also needs position ids and media masks: refused.
+        with pytest.raises(PlanError, match=r"Expected a backbone whose fit batch is text .*Received: Gemma4Backbone, which also takes \['audio_indices'"):
+            programs.fit_batch(job, 8, 16)
         return
     x, y, weights = programs.fit_batch(job, 8, 16)
     assert set(x) == inputs
