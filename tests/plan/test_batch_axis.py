@@ -19,15 +19,18 @@ from keras_hub_dist.jobs.abstract_job import abstract_job
 
 # Wide enough that a block's activations outweigh its weights' transients.
 WIDE_LLAMA = dict(
-    vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8,
+    vocabulary_size=256, num_layers=2, num_query_heads=16, num_key_value_heads=8,
     hidden_dim=256, intermediate_dim=512, dtype="float32",
 )
 BATCH, SEQ = 8, 256
 
 
 def _unconstrained(task):
+    """The blocks and their attention projections as stock builds them."""
     for block in task.backbone.transformer_layers:
-        block.call = block.call.batch_unconstrained
+        for layer in block._flatten_layers(include_self=True, recursive=True):
+            if hasattr(layer.call, "batch_unconstrained"):
+                layer.call = layer.call.batch_unconstrained
 
 
 def _fit_temps(job, seq):
@@ -57,7 +60,12 @@ def test_blocks_keep_the_batch_on_the_data_axis(mesh, seq, kept_split, clean_sta
         # axis, every other dimension left to XLA: XLA gathers the weights,
         # not the batch.
         found = re.findall(r"sharding_constraint %\d+ (<.*)", text)
-        assert found == [f'<@mesh, [{{"batch"}}, {{?}}, {{?}}]> : tensor<8x{seq}x256xf32>'] * 4
+        assert found.count(f'<@mesh, [{{"batch"}}, {{?}}, {{?}}]> : tensor<8x{seq}x256xf32>') == 4
+        # On (2, 4) also q / k / v (16 query, 8 KV heads): batch on the data
+        # axis, heads on the model axis (forward and backward, 2 layers x 3).
+        heads = [f'<@mesh, [{{"batch"}}, {{?}}, {{"model"}}, {{?}}]> : tensor<8x{seq}x{h}x16xf32>' for h in (16, 8)]
+        assert [found.count(h) for h in heads] == ([4, 8] if mesh == (2, 4) else [0, 0])
+        assert len(found) == 4 + sum(found.count(h) for h in heads)
         assert "sharding_constraint" not in stock_text
         assert kept < 0.8 * gathered, (kept, gathered)
 
@@ -94,3 +102,49 @@ def test_a_train_step_computes_what_stock_computes(tmp_path):
     np.testing.assert_allclose(loss, stock_loss, rtol=1e-6)
     for ours, stock in zip(weights, stock_weights):
         np.testing.assert_allclose(ours, stock, rtol=1e-5, atol=1e-6)
+
+
+def _generate_temps(job, max_length):
+    lowered, _ = programs.lower_generate(job, BATCH, max_length, prompt_chunk=64, shard_batch=True)
+    return programs.program_memory(lowered.compile())["temp_bytes"], lowered.as_text()
+
+
+@pytest.mark.parametrize("mesh", [(1, 8), (2, 4)])
+def test_generate_keeps_the_batch_and_the_heads_split(mesh, clean_state):
+    """Llama's map puts q / k / v's heads dimension on the data axis; on
+    (2, 4) XLA then split the prompt chunk's scores over heads there, with
+    every batch row on every device (Llama-3-8B width, 8 x 8192: 2.8x (1, 8)'s
+    temporaries). With grouped KV heads the projections' outputs keep the
+    batch on the data axis and the heads on the model axis."""
+    with clean_state():
+        kept, text = _generate_temps(abstract_job(keras_hub.models.LlamaBackbone, WIDE_LLAMA, mesh), 512)
+        job = abstract_job(keras_hub.models.LlamaBackbone, WIDE_LLAMA, mesh)
+        _unconstrained(job.task)
+        gathered, stock_text = _generate_temps(job, 512)
+    if mesh == (1, 8):
+        assert kept == gathered
+        assert text == stock_text
+    else:
+        assert '[{"batch"}, {?}, {"model"}, {?}]' in text
+        assert kept < 0.8 * gathered, (kept, gathered)
+
+
+def test_generate_gives_the_tokens_of_the_unconstrained_model(tmp_path):
+    config = dict(WIDE_LLAMA, hidden_dim=64, intermediate_dim=128)
+    preset = keras_hub_dist.write_synthetic_preset(
+        str(tmp_path / "llama"), keras_hub.models.LlamaBackbone, tokenizer=True, **config
+    )
+    rng = np.random.default_rng(1)
+    mask = np.arange(24)[None] < rng.integers(5, 20, BATCH)[:, None]
+    tokens = np.where(mask, rng.integers(1, 256, (BATCH, 24)), 0).astype("int32")
+    results = []
+    for keep in (True, False):
+        lm = keras_hub_dist.load_sharded_preset(preset, mesh=(2, 4), task="causal_lm", prompt_chunk=4)
+        if not keep:
+            _unconstrained(lm)
+        lm.preprocessor = None
+        lm.compile(sampler="greedy")
+        out = lm.generate({"token_ids": tokens, "padding_mask": mask}, stop_token_ids=None)
+        results.append(np.asarray(out["token_ids"]))
+        del lm
+    np.testing.assert_array_equal(*results)
