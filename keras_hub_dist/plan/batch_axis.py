@@ -100,85 +100,75 @@ def keep_batch_split(model: Any) -> None:
     """
     backbone = getattr(model, "backbone", model)
     grouped = getattr(backbone, "num_key_value_heads", 0) < getattr(backbone, "num_query_heads", 0)
-    for block in _blocks(model):
+    for block in getattr(backbone, "transformer_layers", None) or []:
         if not hasattr(block.call, "batch_unconstrained"):
-            block.call = _constrained_call(block)
+            block.call = _wrapped(block.call, functools.partial(_batch_on_data_axis, block=block))
         for layer in block._flatten_layers(include_self=False, recursive=True) if grouped else ():
             if layer.name in _PROJECTIONS and not hasattr(layer.call, "batch_unconstrained"):
-                layer.call = _constrained_projection(layer.call)
-
-
-def _blocks(model: Any) -> list[Any]:
-    backbone = getattr(model, "backbone", model)
-    return list(getattr(backbone, "transformer_layers", None) or [])
-
-
-def _constrained_call(block: Any) -> Any:
-    call = block.call
-
-    @functools.wraps(call)
-    def constrained_call(*args: Any, **kwargs: Any) -> Any:
-        return _batch_on_data_axis(call(*args, **kwargs), block)
-
-    constrained_call.batch_unconstrained = call
-    return constrained_call
+                layer.call = _wrapped(layer.call, _heads_on_model_axis)
 
 
 # The attention projections whose `[batch, tokens, heads, head_dim]` outputs
 # keep the batch on the data axis and the heads on the model axis.
 _PROJECTIONS = ("query", "key", "value")
 
-
-def _constrained_projection(call: Any) -> Any:
-    @functools.wraps(call)
-    def constrained_call(*args: Any, **kwargs: Any) -> Any:
-        return _heads_on_model_axis(call(*args, **kwargs))
-
-    constrained_call.batch_unconstrained = call
-    return constrained_call
-
-
-def _heads_on_model_axis(output: Any) -> Any:
-    if not isinstance(output, jax.core.Tracer) or output.ndim != 4:
-        return output
-    distribution = keras.distribution.distribution()
-    data = getattr(distribution, "batch_dim_name", None)
-    if data is None:
-        return output
-    mesh = distribution.device_mesh.backend_mesh
-    others = [axis for axis in mesh.axis_names if axis != data]
-    if mesh.shape.get(data, 1) == 1 or len(others) != 1 or mesh.shape[others[0]] == 1:
-        return output  # only on a (data, model) mesh with both axes over 1
-    spec = [jax.sharding.PartitionSpec.UNCONSTRAINED] * 4
-    for dim, axis in ((0, data), (2, others[0])):
-        if output.shape[dim] % mesh.shape[axis] == 0:
-            spec[dim] = axis  # where it does not divide (few KV heads): XLA's choice
-    return jax.lax.with_sharding_constraint(
-        output, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-    )
-
-
 # On a mesh that is all data axis, the batch is kept split only when a
 # block's output holds at least this fraction of its parameter count.
 _ALL_DATA_AXIS_MIN_RATIO = 0.125
 
 
-def _batch_on_data_axis(output: Any, block: Any) -> Any:
-    if not isinstance(output, jax.core.Tracer) or output.ndim < 2:
-        return output
+def _wrapped(call: Any, constrain: Any) -> Any:
+    @functools.wraps(call)
+    def constrained_call(*args: Any, **kwargs: Any) -> Any:
+        return constrain(call(*args, **kwargs))
+
+    constrained_call.batch_unconstrained = call
+    return constrained_call
+
+
+def _traced_on_a_mesh(output: Any, ndim: tuple[int, ...]) -> tuple[Any, str] | None:
+    """`(mesh, data axis)` when `output` is traced, of a rank in `ndim`,
+    under a distribution with a data axis; else None (left as it is)."""
+    if not isinstance(output, jax.core.Tracer) or output.ndim not in ndim:
+        return None
     distribution = keras.distribution.distribution()
-    axis = getattr(distribution, "batch_dim_name", None)
-    if axis is None:
+    data = getattr(distribution, "batch_dim_name", None)
+    return None if data is None else (distribution.device_mesh.backend_mesh, data)
+
+
+def _constrained(output: Any, mesh: Any, spec: list[Any]) -> Any:
+    unconstrained = jax.sharding.PartitionSpec.UNCONSTRAINED
+    spec = jax.sharding.PartitionSpec(*(unconstrained if axis is None else axis for axis in spec))
+    return jax.lax.with_sharding_constraint(output, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _heads_on_model_axis(output: Any) -> Any:
+    found = _traced_on_a_mesh(output, (4,))
+    if found is None:
         return output
-    mesh = distribution.device_mesh.backend_mesh
-    size = mesh.shape.get(axis, 1)
+    mesh, data = found
+    others = [axis for axis in mesh.axis_names if axis != data]
+    if mesh.shape.get(data, 1) == 1 or len(others) != 1 or mesh.shape[others[0]] == 1:
+        return output  # only on a (data, model) mesh with both axes over 1
+    # Each axis where it divides its dimension (few KV heads: XLA's choice).
+    spec = [None] * 4
+    for dim, axis in ((0, data), (2, others[0])):
+        if output.shape[dim] % mesh.shape[axis] == 0:
+            spec[dim] = axis
+    return _constrained(output, mesh, spec)
+
+
+def _batch_on_data_axis(output: Any, block: Any) -> Any:
+    found = _traced_on_a_mesh(output, range(2, 8))
+    if found is None:
+        return output
+    mesh, data = found
+    size = mesh.shape.get(data, 1)
     if size == 1 or output.shape[0] % size:
         return output
     if size == mesh.size and output.size < _ALL_DATA_AXIS_MIN_RATIO * _parameter_count(block):
         return output  # (8, 1), short sequences: gathering whole weights costs more
-    unconstrained = jax.sharding.PartitionSpec.UNCONSTRAINED
-    spec = jax.sharding.PartitionSpec(axis, *[unconstrained] * (output.ndim - 1))
-    return jax.lax.with_sharding_constraint(output, jax.sharding.NamedSharding(mesh, spec))
+    return _constrained(output, mesh, [data] + [None] * (output.ndim - 1))
 
 
 def _parameter_count(block: Any) -> int:
