@@ -24,7 +24,7 @@ __all__ = [
     "materialize_deferred_variable", "own_dtype_policies", "pending_initializer", "pending_layout",
     "preset_file", "preset_file_names", "preset_has_file", "quantization_modes", "quantize_layer_structure",
     "require_jax_backend", "safetensor_loader_class", "save_preset_config", "save_preset_metadata",
-    "saveable_being_saved", "set_pending_initializer", "set_remat_mode", "stateless_value", "swap_compile_function",
+    "saveable_being_saved", "set_pending_initializer", "set_remat_mode", "swap_compile_function",
     "swap_execute_method", "symbolic_build", "transformers_converter", "unfilled_weights_store",
     "variable_array", "variables_size_in_bytes", "walk_saved_variables",
 ]
@@ -146,12 +146,9 @@ def computation_name(computation: Any) -> str:
 # model from shapes only, or swapping a variable's initializer before any value
 # exists, both rely on these private names (stable since Keras 3.0).
 from keras.src.backend.common import global_state as _keras_global_state  # noqa: E402
-from keras.src.backend.common.stateless_scope import get_stateless_scope, in_stateless_scope  # noqa: E402
-
-
-def stateless_value(variable: Any) -> Any:
-    """The value the active `keras.StatelessScope` maps `variable` to (a traced step's), or None."""
-    return get_stateless_scope().get_current_value(variable) if in_stateless_scope() else None
+from keras.src.backend.common.stateless_scope import (  # noqa: E402
+    in_stateless_scope,
+)
 
 _UNINITIALIZED_VARIABLES = "uninitialized_variables"
 
@@ -475,9 +472,14 @@ def variables_size_in_bytes(variables: Any) -> int:
 def preset_file_names() -> dict[str, str]:
     """KerasHub's preset file names (config, metadata, task, weights)."""
     utils = _preset_utils()
-    return {"config": utils.CONFIG_FILE, "metadata": utils.METADATA_FILE, "task": utils.TASK_CONFIG_FILE,
-            "weights": utils.MODEL_WEIGHTS_FILE, "sharded_weights": utils.SHARDED_MODEL_WEIGHTS_CONFIG_FILE,
-            "task_weights": utils.TASK_WEIGHTS_FILE}
+    return {
+        "config": utils.CONFIG_FILE,
+        "metadata": utils.METADATA_FILE,
+        "task": utils.TASK_CONFIG_FILE,
+        "weights": utils.MODEL_WEIGHTS_FILE,
+        "sharded_weights": utils.SHARDED_MODEL_WEIGHTS_CONFIG_FILE,
+        "task_weights": utils.TASK_WEIGHTS_FILE,
+    }
 
 
 def preset_has_file(preset: str, name: str) -> bool:

@@ -1,4 +1,4 @@
-"""The batch on the batch axis between decoder blocks, in attention and the head.
+"""The batch on the batch axis between decoder blocks, and in attention.
 
 Under `keras.distribution.ModelParallel`, Keras splits a batch over the
 mesh's data axis, and the package's maps (like KerasHub's) also split every
@@ -61,24 +61,6 @@ as many KV heads as query heads it made `generate` worse (Llama-2-7B width
 1,015 -> 1,111 MiB; tiny widths 1.01x-1.10x) and is not applied; Gemma's
 map splits heads on the model axis already (1,531 MiB either way).
 
-The vocabulary over both axes. The maps split the embedding tables along
-the vocabulary over the model axis and along the hidden dimension over the
-data axis; on (2, 4) each device then summed a table's gradient over its
-half of the batch at a quarter of the vocabulary, twice (1, 8)'s slice,
-before the reduce-scatter. In a traced step on a mesh with both axes over
-1 the token embedding computes with its tables as split along the
-vocabulary over both axes, data-major (the output projection always; the
-lookup only from an untied token table: Gemma's tied table in the lookup
-made `generate` 1.26x): XLA reshards the table for the step and the
-gradient back, as (1, 8) computes. Measured (`plan_memory`, fit, 1 layer /
-2 layers, (2, 4), before -> after): Llama-3-8B width 8 x 512 2,508 / 2,938
--> 2,055 / 2,586 MiB ((1, 8): 1,624 / 2,026), 8 x 2048 5,773 / 7,829 ->
-5,400 / 7,457 MiB ((1, 8): 5,417 / 7,482); Gemma-7B width 8 x 512
-3,510 / 4,105 -> 3,038 / 3,593 MiB ((1, 8): 2,705 / 3,213), 8 x 2048
-8,256 / 10,228 -> 7,993 / 9,965 MiB ((1, 8): 8,033 / 10,055). `generate`
-8 x 8192, 2 layers, (2, 4): Llama 3,072 -> 3,068 MiB in all, Gemma 2,681
--> 2,736 MiB (+2%, (1, 8): 2,672). Quantized tables are left as they are.
-
 Example:
 
 ```python
@@ -104,8 +86,6 @@ from typing import Any
 import jax
 import keras
 
-from keras_hub_dist import _compat
-
 __all__ = ["keep_batch_split"]
 
 
@@ -120,9 +100,6 @@ def keep_batch_split(model: Any) -> None:
     """
     backbone = getattr(model, "backbone", model)
     grouped = getattr(backbone, "num_key_value_heads", 0) < getattr(backbone, "num_query_heads", 0)
-    embedding = getattr(backbone, "token_embedding", None)
-    if isinstance(embedding, keras.layers.Embedding) and not hasattr(embedding.call, "batch_unconstrained"):
-        embedding.call = _vocabulary_over_both_axes(embedding)
     for block in getattr(backbone, "transformer_layers", None) or []:
         if not hasattr(block.call, "batch_unconstrained"):
             block.call = _wrapped(block.call, functools.partial(_batch_on_data_axis, block=block))
@@ -192,44 +169,6 @@ def _batch_on_data_axis(output: Any, block: Any) -> Any:
     if size == mesh.size and output.size < _ALL_DATA_AXIS_MIN_RATIO * _parameter_count(block):
         return output  # (8, 1), short sequences: gathering whole weights costs more
     return _constrained(output, mesh, [data] + [None] * (output.ndim - 1))
-
-
-def _vocabulary_over_both_axes(embedding: Any) -> Any:
-    """`embedding.call` computing with its tables split along the vocabulary
-    over both mesh axes: the token table `(vocabulary, hidden)` and an
-    untied output table `(hidden, vocabulary)`, as read in a traced step."""
-    call = embedding.call
-
-    @functools.wraps(call)
-    def constrained_call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        found = _traced_on_a_mesh(inputs, range(1, 8))
-        tied_lookup = not kwargs.get("reverse") and getattr(embedding, "tie_weights", True)
-        if found is None or embedding.quantization_mode is not None or tied_lookup:
-            return call(inputs, *args, **kwargs)
-        mesh, data = found
-        others = [axis for axis in mesh.axis_names if axis != data]
-        if mesh.shape.get(data, 1) == 1 or len(others) != 1 or mesh.shape[others[0]] == 1:
-            return call(inputs, *args, **kwargs)
-        both = (data, others[0])  # data-major: what XLA partitions without a copy
-        mapping = []
-        for attribute, vocabulary_dim in (("_embeddings", 0), ("reverse_embeddings", 1)):
-            variable = getattr(embedding, attribute, None)
-            if not isinstance(variable, keras.Variable):
-                continue  # tied: no output table
-            value = _compat.stateless_value(variable)
-            if value is None or value.shape[vocabulary_dim] % mesh.size:
-                # Not a traced step's (a symbolic build), or a vocabulary the
-                # mesh does not divide: as Keras computes it.
-                return call(inputs, *args, **kwargs)
-            spec = [None] * value.ndim
-            spec[vocabulary_dim] = both
-            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-            mapping.append((variable, jax.lax.with_sharding_constraint(value, sharding)))
-        with keras.StatelessScope(state_mapping=mapping):
-            return call(inputs, *args, **kwargs)
-
-    constrained_call.batch_unconstrained = call
-    return constrained_call
 
 
 def _parameter_count(block: Any) -> int:
