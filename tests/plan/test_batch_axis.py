@@ -1,8 +1,9 @@
-"""The batch kept on the data axis between decoder blocks (`plan.batch_axis`).
+"""The batch kept on the data axis between decoder blocks, and grouped-KV
+attention's q / k / v outputs on (batch, heads) (`plan.batch_axis`).
 
 The memory tests compile only (XLA's `memory_analysis()` of Keras's train
-step on abstract models, no weight allocated); the values test runs one real
-train step each way.
+step and KerasHub's generate on abstract models, no weight allocated); the
+values tests run one real train step and one greedy `generate` each way.
 """
 
 import re
