@@ -64,6 +64,7 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import GenerateFallbackWarning
+from keras_hub_dist.plan.batch_axis import constrain_where_divisible
 
 __all__ = [
     "DEFAULT_PROMPT_CHUNK",
@@ -339,16 +340,9 @@ def _constrain(x: Any, settings: _Settings, dims: dict[int, str | None]) -> Any:
     if found is None or not isinstance(x, jax.core.Tracer):
         return x
     mesh, data_axis = found
-    unconstrained = jax.sharding.PartitionSpec.UNCONSTRAINED
-    spec = [unconstrained] * x.ndim
-    for dim, axis in dims.items():
-        axis = data_axis if axis == _DATA else axis
-        if axis in mesh.shape and x.shape[dim] % mesh.shape[axis] == 0:
-            spec[dim] = axis
-    if all(s is unconstrained for s in spec):
-        return x
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-    return jax.lax.with_sharding_constraint(x, sharding)
+    return constrain_where_divisible(
+        x, mesh, {dim: data_axis if axis == _DATA else axis for dim, axis in dims.items()}
+    )
 
 
 def _constrain_cache(lm: Any, settings: _Settings, cache: Any) -> Any:

@@ -86,7 +86,7 @@ from typing import Any
 import jax
 import keras
 
-__all__ = ["keep_batch_split"]
+__all__ = ["constrain_where_divisible", "keep_batch_split"]
 
 
 def keep_batch_split(model: Any) -> None:
@@ -136,10 +136,23 @@ def _traced_on_a_mesh(output: Any, ndim: tuple[int, ...]) -> tuple[Any, str] | N
     return None if data is None else (distribution.device_mesh.backend_mesh, data)
 
 
-def _constrained(output: Any, mesh: Any, spec: list[Any]) -> Any:
+def constrain_where_divisible(x: Any, mesh: Any, dims: dict[int, str | None]) -> Any:
+    """`x` with each of `dims` (dimension -> mesh axis) constrained to its
+    axis where the mesh has that axis and it divides the dimension; every
+    other dimension left to XLA (`x` as it is when none is constrained).
+
+    Example: `constrain_where_divisible(q, mesh, {0: "batch", 2: "model"})`
+    inside a jitted function keeps `q`'s batch and heads split.
+    """
     unconstrained = jax.sharding.PartitionSpec.UNCONSTRAINED
-    spec = jax.sharding.PartitionSpec(*(unconstrained if axis is None else axis for axis in spec))
-    return jax.lax.with_sharding_constraint(output, jax.sharding.NamedSharding(mesh, spec))
+    spec = [unconstrained] * x.ndim
+    for dim, axis in dims.items():
+        if axis in mesh.shape and x.shape[dim] % mesh.shape[axis] == 0:
+            spec[dim] = axis
+    if all(s is unconstrained for s in spec):
+        return x
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def _heads_on_model_axis(output: Any) -> Any:
@@ -150,12 +163,8 @@ def _heads_on_model_axis(output: Any) -> Any:
     others = [axis for axis in mesh.axis_names if axis != data]
     if mesh.shape.get(data, 1) == 1 or len(others) != 1 or mesh.shape[others[0]] == 1:
         return output  # only on a (data, model) mesh with both axes over 1
-    # Each axis where it divides its dimension (few KV heads: XLA's choice).
-    spec = [None] * 4
-    for dim, axis in ((0, data), (2, others[0])):
-        if output.shape[dim] % mesh.shape[axis] == 0:
-            spec[dim] = axis
-    return _constrained(output, mesh, spec)
+    # Few KV heads that the model axis does not divide: XLA's choice.
+    return constrain_where_divisible(output, mesh, {0: data, 2: others[0]})
 
 
 def _batch_on_data_axis(output: Any, block: Any) -> Any:
@@ -168,7 +177,7 @@ def _batch_on_data_axis(output: Any, block: Any) -> Any:
         return output
     if size == mesh.size and output.size < _ALL_DATA_AXIS_MIN_RATIO * _parameter_count(block):
         return output  # (8, 1), short sequences: gathering whole weights costs more
-    return _constrained(output, mesh, [data] + [None] * (output.ndim - 1))
+    return constrain_where_divisible(output, mesh, {0: data})
 
 
 def _parameter_count(block: Any) -> int:

@@ -119,8 +119,9 @@ def build_without_values(
             (`plan.remat.apply_remat`): `None` (off), a `keras.RematScope`
             mode name or a scope.
         batch_split: Keep the batch on the mesh's data axis between the
-            decoder blocks in training (`plan.batch_axis.keep_batch_split`);
-            `False`: as stock KerasHub.
+            decoder blocks, and grouped-KV attention's q / k / v outputs on
+            (batch, heads) (`plan.batch_axis.keep_batch_split`); `False`: as
+            stock KerasHub.
 
     Returns:
         `(model, variables created)`, the variables still pending.
@@ -159,9 +160,9 @@ def _each_layer_kind_traced_once() -> Iterator[None]:
     specs return the same specs. Here a call whose layer class, config (but
     its name), input specs and static arguments were seen already in this
     build gets fresh tensors of the recorded specs instead. Abstract builds,
-    medians of 3 on the 2-core VM: gpt-oss-120b 4.27 -> 0.47 s, gpt-oss-20b
-    2.71 -> 0.56 s (most KerasHub blocks give their output shape without a
-    trace); every named architecture's weights, layers and output specs are
+    medians of 3 on the 2-core VM (`benchmarks/bench_abstract_build.py`,
+    BENCHMARKS.md): gpt-oss-120b 5.18 -> 0.51 s, gpt-oss-20b 2.51 -> 0.39 s
+    (most KerasHub blocks give their output shape without a trace); every named architecture's weights, layers and output specs are
     the same either way (tests/plan/test_abstract.py checks gpt-oss). A
     layer whose config or arguments do not serialize is traced as Keras
     does, and so is a layer whose dtype is a `DTypePolicyMap` (a quantized
