@@ -90,26 +90,63 @@ def fit_batch(job: AbstractJob, batch_size: int, sequence_length: int) -> tuple:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=layout.backend_layout)
 
     x = {"token_ids": spec("int32"), "padding_mask": spec("bool")}
-    # Qwen 3.5's vision-language backbone takes its images as inputs too: a
-    # text-only batch holds none, the zero-sized arrays its own `__call__`
-    # puts in for a text-only call. (Gemma 4's also needs position ids and
-    # masks of the text's length: not planned for fit.)
-    inputs = _named_inputs(job.task.backbone)
-    for name, tensor in inputs.items():
-        if name in _NO_IMAGE:
-            x[name] = spec(tensor.dtype, (batch_size, 0, *tensor.shape[2:]))
-    missing = sorted(set(inputs) - set(x))
-    if missing:
+    backbone = job.task.backbone
+    shared, layers = getattr(backbone, "num_kv_shared_layers", 0), getattr(backbone, "num_layers", 0)
+    if shared and shared >= layers:
+        # Gemma 4's assistants (drafters): every layer attends with the keys
+        # and values of the model it drafts for, which a fit step lacks.
         raise PlanError(
-            "Expected a backbone whose fit batch is text (token_ids, "
-            f"padding_mask). Received: {type(job.task.backbone).__name__}, "
-            f"which also takes {missing}: its fit is not planned; plan its "
-            'job="generate" or job="load".'
+            "Expected a backbone that computes its own keys and values to plan a "
+            f"fit. Received: {type(backbone).__name__} with num_kv_shared_layers="
+            f"{shared} of num_layers={layers} (a drafter: every layer reads the "
+            'target model\'s cache); plan its job="generate" or job="load".'
         )
+    # A multimodal backbone takes its media as inputs too: a text-only batch
+    # holds none of them, the arrays KerasHub's own preprocessors put in for
+    # text (Qwen 3.5's `__call__`, Gemma 4's text-only dummies): no media
+    # item, per-token position ids and masks of the text's length.
+    for name, tensor in _named_inputs(backbone).items():
+        if name in x:
+            continue
+        shape = _text_only_shape(name, tuple(tensor.shape), backbone, batch_size, sequence_length)
+        if shape is None:
+            raise PlanError(
+                "Expected a backbone whose fit batch is text (token ids, padding "
+                "mask, position ids, empty media). Received: "
+                f"{type(backbone).__name__}, which also takes {name!r} of shape "
+                f"{tuple(tensor.shape)}: its fit is not planned; plan its "
+                'job="generate" or job="load".'
+            )
+        x[name] = spec(tensor.dtype, shape)
     return x, spec("int32"), spec("bool")
 
 
-_NO_IMAGE = ("pixel_values", "image_grid_thw", "vision_indices")
+# Per-token inputs of a text batch: the sequence's length.
+_PER_TOKEN = ("position_ids", "vision_mask", "audio_mask")
+# Media inputs: none in a text batch (batch x 0 items x ...).
+_MEDIA = (
+    "pixel_values", "pixel_position_ids", "image_grid_thw", "vision_indices",
+    "audio_mel", "audio_mel_mask", "audio_indices",
+)
+
+
+def _text_only_shape(
+    name: str, shape: tuple, backbone: Any, batch_size: int, sequence_length: int
+) -> tuple[int, ...] | None:
+    """The shape of input `name` in a batch of text only; None: not known."""
+    if name in _PER_TOKEN and len(shape) == 2:
+        return (batch_size, sequence_length)
+    if name not in _MEDIA or len(shape) < 2:
+        return None
+    rest = [1 if size is None else size for size in shape[2:]]
+    if name == "pixel_values" and shape[-1] is None:
+        # Flattened RGB patches (Gemma 4): what the vision encoder's patch
+        # projection reads, even for zero images.
+        patch = getattr(getattr(backbone, "vision_encoder", None), "patch_size", None)
+        if patch is None:
+            return None
+        rest[-1] = 3 * patch * patch
+    return (batch_size, 0, *rest)
 
 
 def _named_inputs(backbone: Any) -> dict[str, Any]:

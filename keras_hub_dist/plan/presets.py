@@ -369,7 +369,10 @@ def backbone_config(
             `backbone_class` names the class).
         backbone_class: The class for a plain dict (ignored otherwise).
         **overrides: Constructor arguments replacing the config's, e.g.
-            `num_layers=2, dtype="bfloat16"`.
+            `num_layers=2, dtype="bfloat16"`. A smaller `num_layers` keeps
+            the model's leading layers: per-layer lists (`layer_types`) are
+            cut to it, and Gemma 4's trailing KV-shared layers shrink so
+            that its leading non-shared ones stay (none may be left).
 
     Returns:
         `(backbone class, constructor kwargs (a fresh dict), entry or None)`.
@@ -410,5 +413,23 @@ def backbone_config(
             "directory or a config dict. Received: "
             f"{name_or_config!r} of type {type(name_or_config).__name__}."
         )
+    depth = config.get("num_layers")
     config.update(overrides)
+    if isinstance(depth, int) and isinstance(config.get("num_layers"), int) and config["num_layers"] < depth:
+        _keep_leading_layers(config, depth, given=set(overrides))
     return cls, config, entry
+
+
+def _keep_leading_layers(config: dict[str, Any], depth: int, given: set[str]) -> None:
+    """`config` (of a `depth`-layer model, `num_layers` now smaller) made
+    consistent: the first `num_layers` layers of the model, as they were.
+    Keys in `given` (overridden explicitly) stay as given."""
+    num_layers = config["num_layers"]
+    for key, value in config.items():
+        if key.endswith("layer_types") and key not in given and isinstance(value, list) and len(value) == depth:
+            config[key] = value[:num_layers]
+    shared = config.get("num_kv_shared_layers")
+    if isinstance(shared, int) and shared > 0 and "num_kv_shared_layers" not in given:
+        # Trailing layers reuse the K/V of the last non-shared layer of their
+        # kind; cut from the end, they go first (a drafter, all shared, stays so).
+        config["num_kv_shared_layers"] = max(0, num_layers - (depth - shared)) if shared < depth else num_layers

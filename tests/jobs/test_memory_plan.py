@@ -219,28 +219,60 @@ def test_cli_prints_the_plan_and_its_verdict(gemma_preset, capsys):
     assert "Expected at least 24 devices" in capsys.readouterr().err
 
 
+GEMMA4_TEXT = {
+    # Per token: the text's length.
+    "token_ids": (8, 16), "padding_mask": (8, 16), "position_ids": (8, 16),
+    "vision_mask": (8, 16), "audio_mask": (8, 16),
+    # No media item: what Gemma 4's preprocessor puts in for text only
+    # (3 x 16 x 16 = the vision encoder's flattened patch).
+    "pixel_values": (8, 0, 1, 768), "pixel_position_ids": (8, 0, 1, 2), "vision_indices": (8, 0),
+    "audio_mel": (8, 0, 1, 128), "audio_mel_mask": (8, 0, 1), "audio_indices": (8, 0),
+}
+
+
 @pytest.mark.parametrize(
     "name, task, inputs",
     [
         # Gemma4AssistantCausalLM (a drafter with sizes of its own) shares
-        # Gemma4Backbone: the job is Gemma4CausalLM's, as a load builds it.
-        ("gemma4_2b", "Gemma4CausalLM", None),
+        # Gemma4Backbone: the job is Gemma4CausalLM's, as a load builds it;
+        # its text batch also holds position ids, media masks, no media.
+        ("gemma4_2b", "Gemma4CausalLM", GEMMA4_TEXT),
         # A vision-language backbone: a text-only batch, no image in it.
-        ("qwen3_5_0.8b", "Qwen3_5CausalLM", {"token_ids", "padding_mask", "pixel_values", "image_grid_thw", "vision_indices"}),
+        ("qwen3_5_0.8b", "Qwen3_5CausalLM", {"token_ids": (8, 16), "padding_mask": (8, 16),
+                                             "pixel_values": (8, 0, 2, 16, 16, 3), "image_grid_thw": (8, 0, 3),
+                                             "vision_indices": (8, 0)}),
     ],
 )
 def test_a_job_is_the_task_a_load_builds_with_a_text_batch(name, task, inputs):
     cls, config, _ = keras_hub_dist.presets.backbone_config(name, num_layers=1)
     job = abstract_job(cls, config, (2, 4))
     assert type(job.task).__name__ == task
-    if inputs is None:
-        # Gemma 4's text also needs position ids and media masks: refused.
-        with pytest.raises(PlanError, match=r"Expected a backbone whose fit batch is text .*Received: Gemma4Backbone, which also takes \['audio_indices'"):
-            programs.fit_batch(job, 8, 16)
-        return
     x, y, weights = programs.fit_batch(job, 8, 16)
-    assert set(x) == inputs
+    assert {k: spec.shape for k, spec in x.items()} == inputs
     for name, spec in x.items():
-        assert spec.shape[0] == 8 and spec.sharding.spec[0] == "batch", name
-        if name not in ("token_ids", "padding_mask"):
-            assert spec.shape[1] == 0, name
+        assert spec.sharding.spec[0] == "batch", name
+    assert y.shape == weights.shape == (8, 16)
+    if name == "gemma4_2b":
+        # Keras's train step takes it (compiling it as well costs the suite
+        # 8 s more; benchmarks/sweep_plans.py compiles every fit plan).
+        text = programs.lower_fit(job, 8, 16, "sgd").as_text()
+        assert "tensor<8x0x1x768xf32>" in text and "tensor<8x16xi32>" in text
+
+
+def test_a_drafter_fit_is_refused():
+    cls, config, _ = keras_hub_dist.presets.backbone_config("gemma4_instruct_2b_assistant", num_layers=1)
+    job = abstract_job(cls, config, (1, 8))
+    with pytest.raises(PlanError, match=r"computes its own keys and values .*Received: Gemma4Backbone with "
+                       r"num_kv_shared_layers=1 of num_layers=1 \(a drafter"):
+        programs.fit_batch(job, 8, 16)
+
+
+def test_a_backbone_input_that_is_not_text_is_refused(monkeypatch):
+    cls, config, _ = keras_hub_dist.presets.backbone_config("gemma4_2b", num_layers=1)
+    job = abstract_job(cls, config, (1, 8))
+    named = programs._named_inputs(job.task.backbone)
+    named["depth_map"] = keras.KerasTensor((None, None, None), dtype="float32")
+    monkeypatch.setattr(programs, "_named_inputs", lambda backbone: named)
+    with pytest.raises(PlanError, match=r"Expected a backbone whose fit batch is text .*Received: "
+                       r"Gemma4Backbone, which also takes 'depth_map' of shape \(None, None, None\)"):
+        programs.fit_batch(job, 8, 16)

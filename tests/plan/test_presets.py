@@ -118,6 +118,26 @@ def test_backbone_config_overrides_and_config_forms(tmp_path):
         presets.backbone_config(3)
 
 
+@pytest.mark.parametrize(
+    "name, num_layers, shared",
+    [
+        ("gemma4_2b", 2, 0),  # 35 layers, the last 20 KV-shared: 15 lead
+        ("gemma4_2b", 17, 2),
+        ("gemma4_2b", 35, 20),
+        ("gemma4_instruct_2b_assistant", 2, 2),  # a drafter: every layer shared
+        ("qwen3_5_0.8b", 3, None),
+    ],
+)
+def test_a_smaller_depth_keeps_the_leading_layers(name, num_layers, shared):
+    full = presets.resolve(name).config
+    _, config, _ = presets.backbone_config(name, num_layers=num_layers)
+    assert config["layer_types"] == full["layer_types"][:num_layers]
+    assert config.get("num_kv_shared_layers") == shared
+    # Asked for explicitly, an override is kept as given.
+    _, config, _ = presets.backbone_config(name, num_layers=num_layers, layer_types=None, num_kv_shared_layers=1)
+    assert config["layer_types"] is None and config["num_kv_shared_layers"] == 1
+
+
 def test_data_files_are_one_per_architecture():
     files = sorted(
         f for f in os.listdir(os.path.join(REPO, "presets")) if f.endswith(".json")
