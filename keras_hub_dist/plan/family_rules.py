@@ -92,7 +92,10 @@ and the weighted sum over experts becomes one all-reduce of the `(tokens,
 hidden)` output, exactly like a tensor-parallel dense FFN. No token
 all-to-all is needed, because KerasHub does not dispatch tokens; the fused
 gate/up kernels of Qwen and gpt-oss (`2 * ffn` wide, split in halves or
-interleaved inside each expert) stay whole on their device.
+interleaved inside each expert) stay whole on their device. The data axis
+goes on the hidden dimension, except for Mixtral's separate gate / up
+kernels, where the expert-FFN dimension took a fit and generate on (2, 4)
+to within 1.03x (1, 8)'s (docs/layouts.md; fused banks got worse with it).
 When the model axis does not divide the expert count (Mixtral's 8 experts on
 16 devices) the bank moves to the expert-FFN (intermediate) dimension: each
 device then holds a slice of every expert, the gate/up/down matmuls stay
@@ -329,10 +332,19 @@ def qwen3_5_moe_rules(model: str, data: str) -> Rules:
 def mixtral_rules(model: str, data: str) -> Rules:
     # No dense FFN: Llama's `feedforward_gate_dense` key would also match the
     # router (`sparse_feedforward_gate_dense/kernel`), so it is left out.
+    # Separate `(E, hidden, ffn)` gate and up kernels and an `(E, ffn,
+    # hidden)` down kernel: the data axis on the expert-FFN dimension, so a
+    # device's gate / up / down matmuls on every batch row stay local and
+    # only the down projection's partial sums are reduced (module doc).
     return {
         **llama_attention_rules(model, data),
         "transformer_layer.*sparse_feedforward_gate_dense.kernel": (model, None),
-        **_stacked_experts(model, data),
+        "transformer_layer.*experts.expert_feedforward_(gate|intermediate)_dense": (
+            ExpertBank((model, None, data), expert_dim=0, ffn_dim=2)
+        ),
+        "transformer_layer.*experts.expert_feedforward_output_dense": (
+            ExpertBank((model, data, None), expert_dim=0, ffn_dim=1)
+        ),
     }
 
 
@@ -447,6 +459,11 @@ def expert_axes(
         return tuple(axes)
     if ffn % parts == 0:
         axes[bank.expert_dim] = None
+        hidden = next((d for d in range(len(axes)) if d not in (bank.expert_dim, bank.ffn_dim)), None)
+        if axes[bank.ffn_dim] is not None and hidden is not None and axes[hidden] is None:
+            # The FFN dimension's own axis (Mixtral's data axis) makes room
+            # for the model axis on the bank's remaining (hidden) dimension.
+            axes[hidden], axes[bank.ffn_dim] = axes[bank.ffn_dim], None
         axes[bank.ffn_dim] = (
             model if axes[bank.ffn_dim] is None
             else specs.entry_axes(axes[bank.ffn_dim]) + (model,)
