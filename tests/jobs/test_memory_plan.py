@@ -3,6 +3,7 @@
 import functools
 import gc
 import json
+import re
 
 import jax
 import keras
@@ -249,14 +250,19 @@ def test_a_job_is_the_task_a_load_builds_with_a_text_batch(name, task, inputs):
     assert type(job.task).__name__ == task
     x, y, weights = programs.fit_batch(job, 8, 16)
     assert {k: spec.shape for k, spec in x.items()} == inputs
-    for name, spec in x.items():
-        assert spec.sharding.spec[0] == "batch", name
+    for key, spec in x.items():
+        assert spec.sharding.spec[0] == "batch", key
     assert y.shape == weights.shape == (8, 16)
     if name == "gemma4_2b":
         # Keras's train step takes it (compiling it as well costs the suite
-        # 8 s more; benchmarks/sweep_plans.py compiles every fit plan).
+        # 8 s more; benchmarks/sweep_plans.py compiles every fit plan). Its
+        # program reads token ids, position ids, both media masks and the
+        # labels (int32), padding mask and sample weights (bool); the empty
+        # media hold no element and JAX drops them as unused.
         text = programs.lower_fit(job, 8, 16, "sgd").as_text()
-        assert "tensor<8x0x1x768xf32>" in text and "tensor<8x16xi32>" in text
+        main = text[text.index("@main("):]
+        signature = re.findall(r"tensor<(8x[^>]*)>", main[: main.index("{\n")])
+        assert sorted(a for a in signature if a.startswith("8x16x")) == ["8x16xi1"] * 2 + ["8x16xi32"] * 5, signature
 
 
 def test_a_drafter_fit_is_refused():
