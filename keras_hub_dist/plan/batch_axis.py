@@ -137,11 +137,11 @@ def keep_batch_split(model: Any) -> None:
             if hasattr(layer.call, "batch_unconstrained"):
                 continue
             if layer.name in _TOKEN_SPLIT_EXPERTS:
-                layer.call = _tokens_on_data_axis(layer.call)
+                layer.call = _wrapped(layer.call, inputs=_tokens_on_data_axis)
             elif grouped and layer.name in _PROJECTIONS:
-                layer.call = _wrapped(layer.call, _heads_on_model_axis)
+                layer.call = _wrapped(layer.call, output=_heads_on_model_axis)
             elif grouped and layer.name in _FEED_FORWARD_INPUTS:
-                layer.call = _input_gathered_with_a_cache(layer.call)
+                layer.call = _wrapped(layer.call, inputs=_first_gathered_with_a_cache)
 
 
 # The attention projections whose `[batch, tokens, heads, head_dim]` outputs
@@ -166,10 +166,14 @@ _ALL_DATA_AXIS_MIN_RATIO = 0.125
 _WITH_A_CACHE = contextvars.ContextVar("keras_hub_dist_block_with_a_cache", default=False)
 
 
-def _wrapped(call: Any, constrain: Any) -> Any:
+def _wrapped(call: Any, *, inputs: Any = None, output: Any = None) -> Any:
+    """`call` with `inputs` applied to its positional arguments (a tuple)
+    and `output` to its result, each when given."""
+
     @functools.wraps(call)
     def constrained_call(*args: Any, **kwargs: Any) -> Any:
-        return constrain(call(*args, **kwargs))
+        result = call(*(args if inputs is None else inputs(args)), **kwargs)
+        return result if output is None else output(result)
 
     constrained_call.batch_unconstrained = call
     return constrained_call
@@ -194,43 +198,37 @@ def _block_call(block: Any) -> Any:
     return constrained_call
 
 
-def _input_gathered_with_a_cache(call: Any) -> Any:
-    """`call` whose input `[batch, tokens, hidden]` holds every batch row
-    when its block runs with a KV cache on a mesh with both axes over 1."""
-
-    @functools.wraps(call)
-    def constrained_call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        found = _traced_on_a_mesh(inputs, (3,)) if _WITH_A_CACHE.get() else None
-        if found is not None and _both_axes_over_one(*found):
-            spec = jax.sharding.PartitionSpec(None, *[jax.sharding.PartitionSpec.UNCONSTRAINED] * 2)
-            inputs = jax.lax.with_sharding_constraint(inputs, jax.sharding.NamedSharding(found[0], spec))
-        return call(inputs, *args, **kwargs)
-
-    constrained_call.batch_unconstrained = call
-    return constrained_call
+def _first_gathered_with_a_cache(args: tuple) -> tuple:
+    """`args` with the first, `[batch, tokens, hidden]`, holding every batch
+    row, when its block runs with a KV cache on a (data, model) mesh with
+    both axes over 1."""
+    found = _traced_on_a_mesh(args[0], (3,)) if args and _WITH_A_CACHE.get() else None
+    if found is None or _model_axis(*found) is None:
+        return args
+    spec = jax.sharding.PartitionSpec(None, *[jax.sharding.PartitionSpec.UNCONSTRAINED] * 2)
+    return (jax.lax.with_sharding_constraint(args[0], jax.sharding.NamedSharding(found[0], spec)), *args[1:])
 
 
-def _tokens_on_data_axis(call: Any) -> Any:
-    """`call` whose rank-2 array arguments keep their first (token)
-    dimension on the data axis, on a mesh with both axes over 1."""
+def _tokens_on_data_axis(args: tuple) -> tuple:
+    """`args` with each rank-2 array, `[tokens, ...]`, keeping its tokens on
+    the data axis, on a (data, model) mesh with both axes over 1."""
 
     def constrained(x: Any) -> Any:
         found = _traced_on_a_mesh(x, (2,))
-        if found is None or not _both_axes_over_one(*found):
+        if found is None or _model_axis(*found) is None:
             return x
         return constrain_where_divisible(x, found[0], {0: found[1]})
 
-    @functools.wraps(call)
-    def constrained_call(*args: Any, **kwargs: Any) -> Any:
-        return call(*[constrained(a) for a in args], **kwargs)
-
-    constrained_call.batch_unconstrained = call
-    return constrained_call
+    return tuple(map(constrained, args))
 
 
-def _both_axes_over_one(mesh: Any, data: str) -> bool:
+def _model_axis(mesh: Any, data: str) -> str | None:
+    """The mesh's other axis when it is a (data, model) mesh with both axes
+    over 1; else None."""
     others = [axis for axis in mesh.axis_names if axis != data]
-    return mesh.shape.get(data, 1) > 1 and len(others) == 1 and mesh.shape[others[0]] > 1
+    if mesh.shape.get(data, 1) == 1 or len(others) != 1 or mesh.shape[others[0]] == 1:
+        return None
+    return others[0]
 
 
 def _traced_on_a_mesh(output: Any, ndim: tuple[int, ...]) -> tuple[Any, str] | None:
@@ -267,10 +265,10 @@ def _heads_on_model_axis(output: Any) -> Any:
     if found is None:
         return output
     mesh, data = found
-    if not _both_axes_over_one(mesh, data):
+    model = _model_axis(mesh, data)
+    if model is None:
         return output  # only on a (data, model) mesh with both axes over 1
     # Few KV heads that the model axis does not divide: XLA's choice.
-    model = next(axis for axis in mesh.axis_names if axis != data)
     return constrain_where_divisible(output, mesh, {0: data, 2: model})
 
 
