@@ -1,5 +1,6 @@
 """The batch on the batch axis between decoder blocks, in attention and in
-Gemma 4's expert bank, and the feed-forward's input whole in `generate`.
+Gemma 4's expert bank, the feed-forward's input whole in `generate`, and
+stacked expert banks computed with their experts over both mesh axes.
 
 Under `keras.distribution.ModelParallel`, Keras splits a batch over the
 mesh's data axis, and the package's maps (like KerasHub's) also split every
@@ -86,6 +87,25 @@ Gemma 4 26B-A4B width, 2 layers, total per device, before -> after
 tied embedding table gathered over the data axis for the logits of every
 prompt position (Gemma 4 keeps stock's prompt pass).
 
+Stacked expert banks (Qwen 3 MoE, Qwen 3.5 MoE, Qwen MoE, gpt-oss: every
+expert run on every token, `[experts, ...]` weights). The maps store a bank
+with its experts over the model axis and its hidden dimension over the data
+axis (a Keras layout takes one mesh axis per dimension); with the tokens
+split over the data axis, XLA gathered each bank over that axis, a quarter
+of the experts whole on every device of (2, 4) where (1, 8) holds an
+eighth. On a mesh with both axes over 1, where the data axis is on a
+bank's hidden dimension, the bank computes with its stacked weights split
+along the experts over both axes (data-major): XLA reshards them (an
+all-to-all of each device's own share) and computes as (1, 8) does.
+Measured (`plan_memory`, 2 layers, total per device on (2, 4), before ->
+after, (1, 8)): Qwen-3-30B-A3B width generate 8 x 1024 2,531 -> 1,955 MiB
+(1,931), Adam fit 8 x 512 6,544 -> 5,968 (5,334); gpt-oss-20b generate
+3,558 -> 2,633 (2,559), fit 8,417 -> 7,680 (6,971); more in BENCHMARKS.md.
+Mixtral's banks keep the data axis on their FFN dimension, where XLA
+computes without gathering them; there it made both jobs 1-2% worse, so it
+is not applied. Gemma 4's bank keeps its tokens on the data axis instead
+(the same constraint changed nothing there).
+
 Example:
 
 ```python
@@ -124,8 +144,9 @@ def keep_batch_split(model: Any) -> None:
     Wraps the call of every block in `model`'s (or its backbone's)
     `transformer_layers` (and with grouped KV heads of the layers named
     `query`, `key`, `value`, `feedforward_gate_dense` and
-    `feedforward_intermediate_dense` inside them, and of `moe_expert_bank`
-    layers); calling it again changes nothing. A model without decoder
+    `feedforward_intermediate_dense` inside them, of `moe_expert_bank`
+    layers, and of stacked expert banks named `experts`); calling it again
+    changes nothing. A model without decoder
     blocks is left as it is.
     """
     backbone = getattr(model, "backbone", model)
@@ -138,6 +159,8 @@ def keep_batch_split(model: Any) -> None:
                 continue
             if layer.name in _TOKEN_SPLIT_EXPERTS:
                 layer.call = _wrapped(layer.call, inputs=_tokens_on_data_axis)
+            elif layer.name in _STACKED_EXPERTS and hasattr(layer, "num_experts"):
+                layer.call = _experts_over_both_axes(layer)
             elif grouped and layer.name in _PROJECTIONS:
                 layer.call = _wrapped(layer.call, output=_heads_on_model_axis)
             elif grouped and layer.name in _FEED_FORWARD_INPUTS:
@@ -156,6 +179,11 @@ _FEED_FORWARD_INPUTS = ("feedforward_gate_dense", "feedforward_intermediate_dens
 # routing weights `[tokens, experts]` (Gemma 4's): both keep the tokens on
 # the data axis.
 _TOKEN_SPLIT_EXPERTS = ("moe_expert_bank",)
+
+# Expert banks with `[experts, ...]` weights, called on flattened tokens
+# `[tokens, hidden]` (KerasHub's Qwen MoE families' and gpt-oss's): computed
+# with the experts over both mesh axes.
+_STACKED_EXPERTS = ("experts",)
 
 # On a mesh that is all data axis, the batch is kept split only when a
 # block's output holds at least this fraction of its parameter count.
@@ -283,6 +311,52 @@ def _batch_on_data_axis(output: Any, block: Any) -> Any:
     if size == mesh.size and output.size < _ALL_DATA_AXIS_MIN_RATIO * _parameter_count(block):
         return output  # (8, 1), short sequences: gathering whole weights costs more
     return constrain_where_divisible(output, mesh, {0: data})
+
+
+def _experts_over_both_axes(bank: Any) -> Any:
+    """`bank.call` computing, on a (data, model) mesh with both axes over 1,
+    with its `[experts, ...]` weights split along the experts over both
+    axes, where its layouts put the data axis on the hidden dimension and
+    the mesh divides the experts (see the module doc)."""
+    call = bank.call
+
+    @functools.wraps(call)
+    def constrained_call(*args: Any, **kwargs: Any) -> Any:
+        found = _traced_on_a_mesh(args[0], (2,)) if args else None
+        model = None if found is None else _model_axis(*found)
+        if model is None or bank.num_experts % found[0].size or not _gathered_over_data(bank, found[1]):
+            return call(*args, **kwargs)
+        mesh, data = found
+        values = [(variable, variable.value) for variable in bank.weights]
+        if not all(isinstance(value, jax.core.Tracer) for _, value in values):
+            return call(*args, **kwargs)  # not a traced step's values
+        mapping = []
+        for variable, value in values:
+            if value.ndim >= 2 and value.shape[0] == bank.num_experts:
+                spec = jax.sharding.PartitionSpec((data, model), *[None] * (value.ndim - 1))
+                value = jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(mesh, spec))
+            mapping.append((variable, value))
+        # Every weight the call reads, mapped: a variable the scope leaves out
+        # would read its initializer, not the step's value.
+        with keras.StatelessScope(state_mapping=mapping, initialize_variables=False):
+            return call(*args, **kwargs)
+
+    constrained_call.batch_unconstrained = call
+    return constrained_call
+
+
+def _gathered_over_data(bank: Any, data: str) -> bool:
+    """Whether a stacked weight of `bank` has the data axis on a dimension
+    of the hidden size (what XLA gathers to compute split tokens)."""
+    distribution = keras.distribution.distribution()
+    for variable in bank.weights:
+        shape = tuple(variable.shape)
+        if len(shape) < 3 or shape[0] != bank.num_experts:
+            continue
+        axes = tuple(distribution.get_variable_layout(variable).axes)
+        if any(axis == data and size == bank.hidden_dim for axis, size in zip(axes, shape)):
+            return True
+    return False
 
 
 def _parameter_count(block: Any) -> int:
