@@ -102,8 +102,8 @@ after, (1, 8)): Qwen-3-30B-A3B width generate 8 x 1024 2,531 -> 1,955 MiB
 (1,931), Adam fit 8 x 512 6,544 -> 5,968 (5,334); gpt-oss-20b generate
 3,558 -> 2,633 (2,559), fit 8,417 -> 7,680 (6,971); more in BENCHMARKS.md.
 Mixtral's banks keep the data axis on their FFN dimension, where XLA
-computes without gathering them; there it made both jobs 1-2% worse, so it
-is not applied. Gemma 4's bank keeps its tokens on the data axis instead
+computes without gathering them; there it made both jobs worse (fit 6,444
+-> 6,591, generate 3,028 -> 3,052 MiB), so it is not applied. Gemma 4's bank keeps its tokens on the data axis instead
 (the same constraint changed nothing there).
 
 Example:
