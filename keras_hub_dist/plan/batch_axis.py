@@ -79,32 +79,30 @@ MiB): not applied there.
 
 Gemma 4's expert bank computes every expert on the flattened tokens
 `[tokens, hidden]` with routing weights `[tokens, experts]`; on (2, 4) XLA
-gathered the tokens and held `[experts / 4, ffn, all tokens]`. On a mesh
-with both axes over 1 both inputs keep the tokens on the data axis.
-Gemma 4 26B-A4B width, 2 layers, total per device, before -> after
-((1, 8)): generate 8 x 1024 5,256 -> 4,601 MiB (3,242); Adam fit 8 x 512
-11,778 -> 10,814 MiB (9,792). What remains of generate there is mostly the
-tied embedding table gathered over the data axis for the logits of every
-prompt position (Gemma 4 keeps stock's prompt pass).
+gathered the tokens and held `[experts / 4, ffn, all tokens]`. It computes
+with its experts over both axes (below) where the mesh divides them; where
+it does not, both inputs keep the tokens on the data axis. Gemma 4 26B-A4B
+width, 2 layers, total per device, before -> tokens on the data axis ->
+experts over both axes ((1, 8)): generate 8 x 1024 5,256 -> 4,601 -> 3,303
+MiB (3,242); Adam fit 8 x 512 11,778 -> 10,814 -> 10,592 MiB (9,792).
 
-Stacked expert banks (Qwen 3 MoE, Qwen 3.5 MoE, Qwen MoE, gpt-oss: every
-expert run on every token, `[experts, ...]` weights). The maps store a bank
-with its experts over the model axis and its hidden dimension over the data
-axis (a Keras layout takes one mesh axis per dimension); with the tokens
-split over the data axis, XLA gathered each bank over that axis, a quarter
-of the experts whole on every device of (2, 4) where (1, 8) holds an
-eighth. On a mesh with both axes over 1, where the data axis is on a
+Stacked expert banks (Qwen 3 MoE, Qwen 3.5 MoE, Qwen MoE, gpt-oss, Gemma 4:
+every expert run on every token, `[experts, ...]` weights). The maps store
+a bank with its experts over the model axis and its hidden dimension over
+the data axis (a Keras layout takes one mesh axis per dimension); with the
+tokens split over the data axis, XLA gathered each bank over that axis, a
+quarter of the experts whole on every device of (2, 4) where (1, 8) holds
+an eighth. On a mesh with both axes over 1, where the data axis is on a
 bank's hidden dimension, the bank computes with its stacked weights split
-along the experts over both axes (data-major): XLA reshards them (an
-all-to-all of each device's own share) and computes as (1, 8) does.
-Measured (`plan_memory`, 2 layers, total per device on (2, 4), before ->
-after, (1, 8)): Qwen-3-30B-A3B width generate 8 x 1024 2,531 -> 1,955 MiB
-(1,931), Adam fit 8 x 512 6,544 -> 5,968 (5,334); gpt-oss-20b generate
-3,558 -> 2,633 (2,559), fit 8,417 -> 7,680 (6,971); more in BENCHMARKS.md.
-Mixtral's banks keep the data axis on their FFN dimension, where XLA
-computes without gathering them; there it made both jobs worse (fit 6,444
--> 6,591, generate 3,028 -> 3,052 MiB), so it is not applied. Gemma 4's bank keeps its tokens on the data axis instead
-(the same constraint changed nothing there).
+along the experts over both axes (data-major): XLA reshards them (an all-
+to-all of each device's own share) and computes as (1, 8) does. Measured
+(`plan_memory`, 2 layers, total per device on (2, 4), before -> after,
+(1, 8)): Qwen-3-30B-A3B width generate 8 x 1024 2,531 -> 1,955 MiB (1,931),
+Adam fit 8 x 512 6,544 -> 5,968 (5,334); gpt-oss-20b generate 3,558 ->
+2,633 (2,559), fit 8,417 -> 7,680 (6,971); more in BENCHMARKS.md. Mixtral's
+banks keep the data axis on their FFN dimension, where XLA computes without
+gathering them; there it made both jobs worse (fit 6,444 -> 6,591, generate
+3,028 -> 3,052 MiB), so it is not applied.
 
 Example:
 
@@ -138,15 +136,16 @@ __all__ = ["constrain_where_divisible", "keep_batch_split"]
 def keep_batch_split(model: Any) -> None:
     """Constrains each decoder block's output batch to the data axis, and
     with grouped KV heads the q / k / v projections' batch and heads, and in
-    `generate` the feed-forward's input batch to every device; Gemma 4's
-    expert bank's tokens to the data axis.
+    `generate` the feed-forward's input batch to every device; expert banks'
+    stacked weights to their experts over both axes (Gemma 4's, where the
+    mesh does not divide its experts: its tokens to the data axis).
 
     Wraps the call of every block in `model`'s (or its backbone's)
     `transformer_layers` (and with grouped KV heads of the layers named
     `query`, `key`, `value`, `feedforward_gate_dense` and
-    `feedforward_intermediate_dense` inside them, of `moe_expert_bank`
-    layers, and of stacked expert banks named `experts`); calling it again
-    changes nothing. A model without decoder
+    `feedforward_intermediate_dense` inside them, and of the expert banks
+    named `moe_expert_bank` and `experts`); calling it again changes
+    nothing. A model without decoder
     blocks is left as it is.
     """
     backbone = getattr(model, "backbone", model)
@@ -158,9 +157,10 @@ def keep_batch_split(model: Any) -> None:
             if hasattr(layer.call, "batch_unconstrained"):
                 continue
             if layer.name in _TOKEN_SPLIT_EXPERTS:
-                layer.call = _wrapped(layer.call, inputs=_tokens_on_data_axis)
+                otherwise = _wrapped(layer.call, inputs=_tokens_on_data_axis)
+                layer.call = _experts_over_both_axes(layer, otherwise)
             elif layer.name in _STACKED_EXPERTS and hasattr(layer, "num_experts"):
-                layer.call = _experts_over_both_axes(layer)
+                layer.call = _experts_over_both_axes(layer, layer.call)
             elif grouped and layer.name in _PROJECTIONS:
                 layer.call = _wrapped(layer.call, output=_heads_on_model_axis)
             elif grouped and layer.name in _FEED_FORWARD_INPUTS:
@@ -176,8 +176,9 @@ _PROJECTIONS = ("query", "key", "value")
 _FEED_FORWARD_INPUTS = ("feedforward_gate_dense", "feedforward_intermediate_dense")
 
 # Expert banks called on flattened tokens `[tokens, hidden]` with their
-# routing weights `[tokens, experts]` (Gemma 4's): both keep the tokens on
-# the data axis.
+# routing weights `[tokens, experts]` (Gemma 4's): computed with the experts
+# over both mesh axes, or where the mesh does not divide them, both inputs
+# keeping the tokens on the data axis.
 _TOKEN_SPLIT_EXPERTS = ("moe_expert_bank",)
 
 # Expert banks with `[experts, ...]` weights, called on flattened tokens
@@ -313,11 +314,12 @@ def _batch_on_data_axis(output: Any, block: Any) -> Any:
     return constrain_where_divisible(output, mesh, {0: data})
 
 
-def _experts_over_both_axes(bank: Any) -> Any:
+def _experts_over_both_axes(bank: Any, otherwise: Any) -> Any:
     """`bank.call` computing, on a (data, model) mesh with both axes over 1,
     with its `[experts, ...]` weights split along the experts over both
     axes, where its layouts put the data axis on the hidden dimension and
-    the mesh divides the experts (see the module doc)."""
+    the mesh divides the experts (see the module doc); elsewhere
+    `otherwise`, a call of the bank."""
     call = bank.call
 
     @functools.wraps(call)
@@ -325,11 +327,11 @@ def _experts_over_both_axes(bank: Any) -> Any:
         found = _traced_on_a_mesh(args[0], (2,)) if args else None
         model = None if found is None else _model_axis(*found)
         if model is None or bank.num_experts % found[0].size or not _gathered_over_data(bank, found[1]):
-            return call(*args, **kwargs)
+            return otherwise(*args, **kwargs)
         mesh, data = found
         values = [(variable, variable.value) for variable in bank.weights]
         if not all(isinstance(value, jax.core.Tracer) for _, value in values):
-            return call(*args, **kwargs)  # not a traced step's values
+            return otherwise(*args, **kwargs)  # not a traced step's values
         mapping = []
         for variable, value in values:
             if value.ndim >= 2 and value.shape[0] == bank.num_experts:

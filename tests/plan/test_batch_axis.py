@@ -164,18 +164,30 @@ GEMMA4_MOE = dict(
 )
 
 
-def test_gemma4_expert_bank_keeps_the_tokens_on_the_data_axis(clean_state):
+@pytest.mark.parametrize("num_experts", [8, 4])
+def test_gemma4_expert_bank_computes_over_both_axes_or_keeps_its_tokens_split(num_experts, clean_state):
     """Gemma 4's bank computes every expert on the flattened tokens; on (2, 4)
-    XLA gathered them (Gemma 4 26B-A4B width, generate 8 x 1024: 5,256 ->
-    4,601 MiB per device, fit 11,778 -> 10,814 MiB)."""
+    XLA gathered it over the data axis. Where the mesh divides the experts
+    the bank computes with them over both axes (Gemma 4 26B-A4B width,
+    generate 8 x 1024: 5,256 -> 3,303 MiB per device, (1, 8): 3,242); where
+    it does not, its `[tokens, hidden]` and `[tokens, experts]` inputs keep
+    the tokens on the data axis (5,256 -> 4,601 MiB)."""
+    config = dict(GEMMA4_MOE, num_experts=num_experts, num_experts_per_token=2)
     with clean_state():
-        kept, text = _fit_temps(abstract_job(keras_hub.models.Gemma4Backbone, GEMMA4_MOE, (2, 4)), 64)
-        job = abstract_job(keras_hub.models.Gemma4Backbone, GEMMA4_MOE, (2, 4))
+        kept, text = _fit_temps(abstract_job(keras_hub.models.Gemma4Backbone, config, (2, 4)), 64)
+        job = abstract_job(keras_hub.models.Gemma4Backbone, config, (2, 4))
         _unconstrained(job.task)
         gathered, _ = _fit_temps(job, 64)
-    found = re.findall(r'sharding_constraint %\d+ <@mesh, \[\{"batch"\}, \{\?\}\]> : tensor<(\w+)>', text)
-    # Tokens x hidden and tokens x experts, each layer, forward and backward.
-    assert set(found) == {"512x64xf32", "512x8xf32"}, found
+    tokens = re.findall(r'sharding_constraint %\d+ <@mesh, \[\{"batch"\}, \{\?\}\]> : tensor<(\w+)>', text)
+    both = _BOTH_AXES.findall(text)
+    if num_experts == 8:
+        # Gate, up and down of each layer, forward and backward.
+        assert sorted(both) == ["8x256x64xf32"] * 4 + ["8x64x256xf32"] * 8, both
+        assert tokens == []
+    else:
+        # Tokens x hidden and tokens x experts, each layer, forward and backward.
+        assert set(tokens) == {"512x64xf32", f"512x{num_experts}xf32"}, tokens
+        assert both == []
     assert kept < 0.9 * gathered, (kept, gathered)
 
 
