@@ -143,17 +143,23 @@ def test_generate_gives_the_tokens_of_the_unconstrained_model(tmp_path):
     rng = np.random.default_rng(1)
     mask = np.arange(24)[None] < rng.integers(5, 20, BATCH)[:, None]
     tokens = np.where(mask, rng.integers(1, 256, (BATCH, 24)), 0).astype("int32")
-    results = []
-    for keep in (True, False):
-        lm = keras_hub_dist.load_sharded_preset(preset, mesh=(2, 4), task="causal_lm", prompt_chunk=4)
-        if not keep:
-            _unconstrained(lm)
-        lm.preprocessor = None
-        lm.compile(sampler="greedy")
-        out = lm.generate({"token_ids": tokens, "padding_mask": mask}, stop_token_ids=None)
-        results.append(np.asarray(out["token_ids"]))
-        del lm
+    results = [_greedy(_causal_lm(preset, unconstrain), tokens, mask) for unconstrain in (None, _unconstrained)]
     np.testing.assert_array_equal(*results)
+
+
+def _causal_lm(preset, unconstrain=None):
+    """The preset's causal LM on (2, 4) as loaded, or with `unconstrain`
+    applied to it; no preprocessor."""
+    lm = keras_hub_dist.load_sharded_preset(preset, mesh=(2, 4), task="causal_lm", prompt_chunk=4)
+    if unconstrain is not None:
+        unconstrain(lm)
+    lm.preprocessor = None
+    return lm
+
+
+def _greedy(lm, tokens, mask):
+    lm.compile(sampler="greedy")
+    return np.asarray(lm.generate({"token_ids": tokens, "padding_mask": mask}, stop_token_ids=None)["token_ids"])
 
 
 GEMMA4_MOE = dict(
@@ -264,17 +270,12 @@ def test_an_expert_bank_over_both_axes_computes_what_stock_computes(tmp_path):
     tokens = rng.integers(1, 320, (BATCH, 16)).astype("int32")
     mask = np.arange(16)[None] < rng.integers(4, 12, BATCH)[:, None]
     results = []
-    for keep in (True, False):
-        lm = keras_hub_dist.load_sharded_preset(preset, mesh=(2, 4), task="causal_lm", prompt_chunk=4)
-        if not keep:
-            _experts_unconstrained(lm)
-        lm.preprocessor = None
-        lm.compile(sampler="greedy")
-        out = lm.generate({"token_ids": np.where(mask, tokens, 0), "padding_mask": mask}, stop_token_ids=None)
+    for unconstrain in (None, _experts_unconstrained):
+        lm = _causal_lm(preset, unconstrain)
+        ids = _greedy(lm, np.where(mask, tokens, 0), mask)
         lm.compile(optimizer=keras.optimizers.SGD(0.1))
         loss = lm.train_on_batch({"token_ids": tokens, "padding_mask": np.ones_like(mask)}, tokens)
-        weights = [np.asarray(jax.device_get(v.value)) for v in lm.trainable_weights]
-        results.append((np.asarray(out["token_ids"]), loss, weights))
+        results.append((ids, loss, [np.asarray(jax.device_get(v.value)) for v in lm.trainable_weights]))
         del lm
     (ids, loss, weights), (stock_ids, stock_loss, stock_weights) = results
     np.testing.assert_array_equal(ids, stock_ids)
