@@ -206,16 +206,18 @@ def llama_rules(model: str, data: str) -> Rules:
     }
 
 
-def _stacked_experts(model: str, data: str) -> Rules:
+def _stacked_experts(model: str, data: str, *, data_on_ffn: bool = False) -> Rules:
     # Mixtral, Qwen 3 MoE and Qwen 3.5 MoE: `(E, hidden, ffn)` gate and up
     # kernels (Qwen fuses them into one `(E, hidden, 2 * ffn)`), `(E, ffn,
-    # hidden)` down kernel.
+    # hidden)` down kernel; the data axis on the hidden dimension, or with
+    # `data_on_ffn` on the expert-FFN one.
+    hidden, ffn = (None, data) if data_on_ffn else (data, None)
     return {
         "transformer_layer.*experts.expert_feedforward_(gate|intermediate)_dense": (
-            ExpertBank((model, data, None), expert_dim=0, ffn_dim=2)
+            ExpertBank((model, hidden, ffn), expert_dim=0, ffn_dim=2)
         ),
         "transformer_layer.*experts.expert_feedforward_output_dense": (
-            ExpertBank((model, None, data), expert_dim=0, ffn_dim=1)
+            ExpertBank((model, ffn, hidden), expert_dim=0, ffn_dim=1)
         ),
     }
 
@@ -339,12 +341,7 @@ def mixtral_rules(model: str, data: str) -> Rules:
     return {
         **llama_attention_rules(model, data),
         "transformer_layer.*sparse_feedforward_gate_dense.kernel": (model, None),
-        "transformer_layer.*experts.expert_feedforward_(gate|intermediate)_dense": (
-            ExpertBank((model, None, data), expert_dim=0, ffn_dim=2)
-        ),
-        "transformer_layer.*experts.expert_feedforward_output_dense": (
-            ExpertBank((model, data, None), expert_dim=0, ffn_dim=1)
-        ),
+        **_stacked_experts(model, data, data_on_ffn=True),
     }
 
 
