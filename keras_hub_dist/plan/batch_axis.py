@@ -231,8 +231,8 @@ def _first_gathered_with_a_cache(args: tuple) -> tuple:
     """`args` with the first, `[batch, tokens, hidden]`, holding every batch
     row, when its block runs with a KV cache on a (data, model) mesh with
     both axes over 1."""
-    found = _traced_on_a_mesh(args[0], (3,)) if args and _WITH_A_CACHE.get() else None
-    if found is None or _model_axis(*found) is None:
+    found = _traced_on_a_2d_mesh(args[0], (3,)) if args and _WITH_A_CACHE.get() else None
+    if found is None:
         return args
     spec = jax.sharding.PartitionSpec(None, *[jax.sharding.PartitionSpec.UNCONSTRAINED] * 2)
     return (jax.lax.with_sharding_constraint(args[0], jax.sharding.NamedSharding(found[0], spec)), *args[1:])
@@ -243,21 +243,25 @@ def _tokens_on_data_axis(args: tuple) -> tuple:
     the data axis, on a (data, model) mesh with both axes over 1."""
 
     def constrained(x: Any) -> Any:
-        found = _traced_on_a_mesh(x, (2,))
-        if found is None or _model_axis(*found) is None:
+        found = _traced_on_a_2d_mesh(x, (2,))
+        if found is None:
             return x
         return constrain_where_divisible(x, found[0], {0: found[1]})
 
     return tuple(map(constrained, args))
 
 
-def _model_axis(mesh: Any, data: str) -> str | None:
-    """The mesh's other axis when it is a (data, model) mesh with both axes
-    over 1; else None."""
+def _traced_on_a_2d_mesh(x: Any, ndim: tuple[int, ...]) -> tuple[Any, str, str] | None:
+    """`(mesh, data axis, model axis)` when `x` is traced, of a rank in
+    `ndim`, on a (data, model) mesh with both axes over 1; else None."""
+    found = _traced_on_a_mesh(x, ndim)
+    if found is None:
+        return None
+    mesh, data = found
     others = [axis for axis in mesh.axis_names if axis != data]
     if mesh.shape.get(data, 1) == 1 or len(others) != 1 or mesh.shape[others[0]] == 1:
         return None
-    return others[0]
+    return mesh, data, others[0]
 
 
 def _traced_on_a_mesh(output: Any, ndim: tuple[int, ...]) -> tuple[Any, str] | None:
@@ -290,13 +294,10 @@ def constrain_where_divisible(x: Any, mesh: Any, dims: dict[int, str | None]) ->
 
 
 def _heads_on_model_axis(output: Any) -> Any:
-    found = _traced_on_a_mesh(output, (4,))
+    found = _traced_on_a_2d_mesh(output, (4,))
     if found is None:
-        return output
-    mesh, data = found
-    model = _model_axis(mesh, data)
-    if model is None:
         return output  # only on a (data, model) mesh with both axes over 1
+    mesh, data, model = found
     # Few KV heads that the model axis does not divide: XLA's choice.
     return constrain_where_divisible(output, mesh, {0: data, 2: model})
 
@@ -324,11 +325,10 @@ def _experts_over_both_axes(bank: Any, otherwise: Any) -> Any:
 
     @functools.wraps(call)
     def constrained_call(*args: Any, **kwargs: Any) -> Any:
-        found = _traced_on_a_mesh(args[0], (2,)) if args else None
-        model = None if found is None else _model_axis(*found)
-        if model is None or bank.num_experts % found[0].size or not _gathered_over_data(bank, found[1]):
+        found = _traced_on_a_2d_mesh(args[0], (2,)) if args else None
+        if found is None or bank.num_experts % found[0].size or not _gathered_over_data(bank, found[1]):
             return otherwise(*args, **kwargs)
-        mesh, data = found
+        mesh, data, model = found
         values = [(variable, variable.value) for variable in bank.weights]
         if not all(isinstance(value, jax.core.Tracer) for _, value in values):
             return otherwise(*args, **kwargs)  # not a traced step's values
