@@ -321,7 +321,8 @@ def test_mixtral_banks_put_the_data_axis_on_the_ffn_dimension(mesh):
     """Separate gate / up `(E, hidden, ffn)` and down `(E, ffn, hidden)`
     kernels: the data axis on the FFN dimension, so `generate` gathers no
     kernel over it (Mixtral-8x7B width, 2 layers, 8 x 1024 on (2, 4): 4,372
-    -> 3,028 MiB per device; docs/layouts.md)."""
+    -> 3,028 MiB per device; docs/layouts.md; since each block's weights are
+    gathered inside generate's loops, 3,009 -> 2,336 MiB, here 0.91x)."""
     from keras_hub_dist.jobs import programs
     from keras_hub_dist.jobs.abstract_job import abstract_job
 
@@ -345,4 +346,4 @@ def test_mixtral_banks_put_the_data_axis_on_the_ffn_dimension(mesh):
             job = abstract_job(cls, config, mesh, layout_map=layout_map)
         lowered, _ = programs.lower_generate(job, 8, 128, prompt_chunk=64, shard_batch=True)
         totals[dims] = programs.program_memory(lowered.compile())["total_bytes"]
-    assert totals["ffn"] < 0.9 * totals["hidden"], totals
+    assert totals["ffn"] < 0.93 * totals["hidden"], totals
