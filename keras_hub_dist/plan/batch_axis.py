@@ -1,7 +1,7 @@
 """The batch on the batch axis between decoder blocks, in attention and in
 Gemma 4's expert bank, the feed-forward's input whole in `generate`,
-stacked expert banks computed with their experts over both mesh axes, and
-each block's weights gathered inside `generate`'s loops.
+stacked expert banks computed with their experts over both mesh axes in
+`generate`, and each block's weights gathered when it runs.
 
 Under `keras.distribution.ModelParallel`, Keras splits a batch over the
 mesh's data axis, and the package's maps (like KerasHub's) also split every
@@ -25,10 +25,12 @@ bf16, Adam, full fine-tune, per device; `python benchmarks/bench_plan.py
 | Gemma-7B width | 3,906 / 664 -> 3,510 / 595 MiB | 11,815 / 2,249 -> 8,256 / 1,972 MiB |
 
 (On (1, 8): Llama 1,624 / 402 and 5,417 / 2,065 MiB, Gemma 2,705 / 508 and
-8,033 / 2,022 MiB.) What a block holds on (2, 4) beyond (1, 8)'s at 8 x 512
-is FSDP's: each weight's gradient is summed over the local half of the
-batch at the size of its model-axis shard before it is reduce-scattered
-over the data axis.
+8,033 / 2,022 MiB.) What a block held on (2, 4) beyond (1, 8)'s at 8 x 512
+was FSDP's: its weights gathered, kept from the forward pass to the
+backward pass, and its gradients summed over the local half of the batch
+at the size of their model-axis shards until one all-reduce at the end of
+the step (`plan/block_gathers.py` now gathers them again in the backward
+pass and reduces them per block).
 
 On a mesh that is all data axis, (8, 1), every weight is gathered whole, and
 keeping the batch split pays only when the activations outweigh it. Measured
@@ -105,23 +107,15 @@ banks keep the data axis on their FFN dimension, where XLA computes without
 gathering them; there it made both jobs worse (fit 6,444 -> 6,591, generate
 3,028 -> 3,052 MiB), so it is not applied.
 
-Each block's weights inside `generate`'s loops. `generate` runs every block
-in two loops, the prompt chunks and the decode steps, on the same weights.
-Where a weight is stored over the data axis XLA gathers it there to
-compute a block, and it hoisted those gathers, loop constants, out of both
-loops: every block's gathered weights alive for the whole call, what
-FSDP's per-layer gathers exist to avoid. On a mesh whose data axis is over
-1, each block called with a cache passes its weights through an
-optimization barrier together with its input, so a block's gathers happen
-when it runs (per prompt chunk and per decode step: more collective
-traffic per step, which is FSDP's price) and are freed after it. Measured
-(`plan_memory`, generate 8 x 1024, total per device, (2, 4) before ->
-after, (1, 8)): Llama-3-8B width 2 layers 1,404 -> 1,236 MiB (1,292), 32
-layers 8,081 -> 7,125 (6,384); Mixtral 3,028 -> 2,336 (2,956); over the 47
-named architectures the median of (2, 4) / (1, 8) went from 1.01x to
-0.93x. A fit step, where the gathered weights are the backward pass's
-too, was not helped (Llama-3-8B width, 8 layers, 7,728 -> 7,893 MiB) and
-is left as it was.
+Each block's weights gathered when it runs (`plan/block_gathers.py`): in
+`generate` a block reads its weights after its input, so their gathers
+stay inside the prompt and decode loops; in a fit step, where the batch
+is kept split, a block's backward pass gathers its weights again and
+reduces its gradients itself. With that, the stacked expert banks compute
+over both axes in `generate` only: in a fit step it cost more (Qwen-3-
+30B-A3B width, 2 layers, 8 x 512: 5,482 -> 5,930 MiB; gpt-oss-20b 7,441
+-> 7,630; Gemma 4 26B-A4B, against its tokens on the data axis, 10,438 ->
+10,946).
 
 Example:
 
@@ -149,6 +143,8 @@ from typing import Any
 import jax
 import keras
 
+from keras_hub_dist.plan import block_gathers
+
 __all__ = ["constrain_where_divisible", "keep_batch_split"]
 
 
@@ -157,9 +153,9 @@ def keep_batch_split(model: Any) -> None:
     with grouped KV heads the q / k / v projections' batch and heads, and in
     `generate` the feed-forward's input batch to every device; expert banks'
     stacked weights to their experts over both axes (Gemma 4's, where the
-    mesh does not divide its experts: its tokens to the data axis); in
-    `generate` each block reads its weights after its input (an
-    optimization barrier), so their gathers stay in the loops.
+    mesh does not divide its experts, and in a fit step: its tokens to the
+    data axis); each block's weights gathered when it runs
+    (`plan.block_gathers`).
 
     Wraps the call of every block in `model`'s (or its backbone's)
     `transformer_layers` (and with grouped KV heads of the layers named
@@ -240,8 +236,10 @@ def _block_call(block: Any) -> Any:
         token = _WITH_A_CACHE.set(with_a_cache)
         try:
             if with_a_cache:
-                output = _weights_read_after_the_input(block, call, args, kwargs)
-            else:
+                output = block_gathers.read_after_the_input(block, call, args, kwargs)
+            elif args and _keeps_the_batch_split(args[0], block):
+                output = block_gathers.gathered_again_in_backward(block, call, args, kwargs)
+            else:  # XLA gathers the batch, not the weights
                 output = call(*args, **kwargs)
         finally:
             _WITH_A_CACHE.reset(token)
@@ -249,33 +247,6 @@ def _block_call(block: Any) -> Any:
 
     constrained_call.batch_unconstrained = call
     return constrained_call
-
-
-def _weights_read_after_the_input(block: Any, call: Any, args: tuple, kwargs: dict) -> Any:
-    """`call(*args, **kwargs)` with the block's weights read after its input
-    exists, on a mesh whose data axis is over 1.
-
-    `generate` calls each block in two loops (the prompt chunks and the
-    decode steps) on the same weights. Where the maps store a weight over
-    the data axis, XLA gathers it over that axis to compute the block, and
-    a gather of a loop's constant is hoisted out of the loop: every block's
-    gathered weights, of both loops, then live for the whole `generate`.
-    An optimization barrier on the block's weights together with its input
-    makes each gather depend on the step, so XLA gathers a block's weights
-    when that block runs and frees them after.
-    """
-    found = _traced_on_a_mesh(args[0], (3,)) if args else None
-    if found is None or found[0].shape[found[1]] == 1:
-        return call(*args, **kwargs)
-    weights = list(block.weights)
-    values = [weight.value for weight in weights]
-    if not values or not all(isinstance(value, jax.core.Tracer) for value in values):
-        return call(*args, **kwargs)  # not a traced step's values
-    values, inputs = jax.lax.optimization_barrier((values, args[0]))
-    # Every weight of the block, mapped: a variable the scope leaves out
-    # would read its initializer, not the step's value.
-    with keras.StatelessScope(state_mapping=list(zip(weights, values)), initialize_variables=False):
-        return call(inputs, *args[1:], **kwargs)
 
 
 def _first_gathered_with_a_cache(args: tuple) -> tuple:
@@ -354,29 +325,37 @@ def _heads_on_model_axis(output: Any) -> Any:
 
 
 def _batch_on_data_axis(output: Any, block: Any) -> Any:
-    found = _traced_on_a_mesh(output, range(2, 8))
-    if found is None:
+    if not _keeps_the_batch_split(output, block):
         return output
-    mesh, data = found
-    size = mesh.shape.get(data, 1)
-    if size == 1 or output.shape[0] % size:
-        return output
-    if size == mesh.size and output.size < _ALL_DATA_AXIS_MIN_RATIO * _parameter_count(block):
-        return output  # (8, 1), short sequences: gathering whole weights costs more
+    mesh, data = _traced_on_a_mesh(output, range(2, 8))
     return constrain_where_divisible(output, mesh, {0: data})
 
 
+def _keeps_the_batch_split(x: Any, block: Any) -> bool:
+    """Whether `block`'s hidden states `x` (its input or its output) keep
+    their batch on the data axis."""
+    found = _traced_on_a_mesh(x, range(2, 8))
+    if found is None:
+        return False
+    mesh, data = found
+    size = mesh.shape.get(data, 1)
+    if size == 1 or x.shape[0] % size:
+        return False
+    # (8, 1), short sequences: gathering whole weights costs more.
+    return not (size == mesh.size and x.size < _ALL_DATA_AXIS_MIN_RATIO * _parameter_count(block))
+
+
 def _experts_over_both_axes(bank: Any, otherwise: Any) -> Any:
-    """`bank.call` computing, on a (data, model) mesh with both axes over 1,
-    with its `[experts, ...]` weights split along the experts over both
-    axes, where its layouts put the data axis on the hidden dimension and
-    the mesh divides the experts (see the module doc); elsewhere
-    `otherwise`, a call of the bank."""
+    """`bank.call` computing in `generate`, on a (data, model) mesh with both
+    axes over 1, with its `[experts, ...]` weights split along the experts
+    over both axes, where its layouts put the data axis on the hidden
+    dimension and the mesh divides the experts (see the module doc);
+    elsewhere `otherwise`, a call of the bank."""
     call = bank.call
 
     @functools.wraps(call)
     def constrained_call(*args: Any, **kwargs: Any) -> Any:
-        found = _traced_on_a_2d_mesh(args[0], (2,)) if args else None
+        found = _traced_on_a_2d_mesh(args[0], (2,)) if args and _WITH_A_CACHE.get() else None
         if found is None or bank.num_experts % found[0].size or not _gathered_over_data(bank, found[1]):
             return otherwise(*args, **kwargs)
         mesh, data, model = found
