@@ -235,11 +235,12 @@ def _block_call(block: Any) -> Any:
         with_a_cache = any(v is not None for k, v in kwargs.items() if k.endswith("cache"))
         token = _WITH_A_CACHE.set(with_a_cache)
         try:
-            if with_a_cache:
+            hidden = args[0] if args and getattr(args[0], "ndim", None) == 3 else None
+            if with_a_cache and _traced_on_a_data_axis(hidden, (3,)):
                 output = block_gathers.read_after_the_input(block, call, args, kwargs)
-            elif args and _keeps_the_batch_split(args[0], block):
+            elif not with_a_cache and _batch_split_mesh(hidden, block):
                 output = block_gathers.gathered_again_in_backward(block, call, args, kwargs)
-            else:  # XLA gathers the batch, not the weights
+            else:  # no data axis, or XLA gathers the batch, not the weights
                 output = call(*args, **kwargs)
         finally:
             _WITH_A_CACHE.reset(token)
@@ -325,24 +326,28 @@ def _heads_on_model_axis(output: Any) -> Any:
 
 
 def _batch_on_data_axis(output: Any, block: Any) -> Any:
-    if not _keeps_the_batch_split(output, block):
-        return output
-    mesh, data = _traced_on_a_mesh(output, range(2, 8))
-    return constrain_where_divisible(output, mesh, {0: data})
+    found = _batch_split_mesh(output, block)
+    return output if found is None else constrain_where_divisible(output, found[0], {0: found[1]})
 
 
-def _keeps_the_batch_split(x: Any, block: Any) -> bool:
-    """Whether `block`'s hidden states `x` (its input or its output) keep
-    their batch on the data axis."""
-    found = _traced_on_a_mesh(x, range(2, 8))
-    if found is None:
-        return False
+def _batch_split_mesh(x: Any, block: Any) -> tuple[Any, str] | None:
+    """`(mesh, data axis)` when `block`'s hidden states `x` (its input or
+    its output) keep their batch on the data axis; else None."""
+    found = _traced_on_a_data_axis(x, range(2, 8))
+    if found is None or x.shape[0] % found[0].shape[found[1]]:
+        return None
     mesh, data = found
-    size = mesh.shape.get(data, 1)
-    if size == 1 or x.shape[0] % size:
-        return False
     # (8, 1), short sequences: gathering whole weights costs more.
-    return not (size == mesh.size and x.size < _ALL_DATA_AXIS_MIN_RATIO * _parameter_count(block))
+    if mesh.shape[data] == mesh.size and x.size < _ALL_DATA_AXIS_MIN_RATIO * _parameter_count(block):
+        return None
+    return found
+
+
+def _traced_on_a_data_axis(x: Any, ndim: Any) -> tuple[Any, str] | None:
+    """`(mesh, data axis)` when `x` is traced, of a rank in `ndim`, under a
+    distribution whose data axis is over 1; else None."""
+    found = _traced_on_a_mesh(x, ndim)
+    return found if found is not None and found[0].shape.get(found[1], 1) > 1 else None
 
 
 def _experts_over_both_axes(bank: Any, otherwise: Any) -> Any:
@@ -359,18 +364,15 @@ def _experts_over_both_axes(bank: Any, otherwise: Any) -> Any:
         if found is None or bank.num_experts % found[0].size or not _gathered_over_data(bank, found[1]):
             return otherwise(*args, **kwargs)
         mesh, data, model = found
-        values = [(variable, variable.value) for variable in bank.weights]
-        if not all(isinstance(value, jax.core.Tracer) for _, value in values):
+        traced = block_gathers.traced_weights(bank)
+        if traced is None:
             return otherwise(*args, **kwargs)  # not a traced step's values
-        mapping = []
-        for variable, value in values:
+        weights, values = traced
+        for i, value in enumerate(values):
             if value.ndim >= 2 and value.shape[0] == bank.num_experts:
                 spec = jax.sharding.PartitionSpec((data, model), *[None] * (value.ndim - 1))
-                value = jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(mesh, spec))
-            mapping.append((variable, value))
-        # Every weight the call reads, mapped: a variable the scope leaves out
-        # would read its initializer, not the step's value.
-        with keras.StatelessScope(state_mapping=mapping, initialize_variables=False):
+                values[i] = jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(mesh, spec))
+        with block_gathers.reading(weights, values):
             return call(*args, **kwargs)
 
     constrained_call.batch_unconstrained = call

@@ -47,36 +47,38 @@ import jax
 import jax.numpy as jnp
 import keras
 
-__all__ = ["gathered_again_in_backward", "read_after_the_input"]
+__all__ = ["gathered_again_in_backward", "read_after_the_input", "reading", "traced_weights"]
 
 
 def read_after_the_input(block: Any, call: Any, args: tuple, kwargs: dict) -> Any:
-    """`call(*args, **kwargs)` (a block's call in `generate`) with the
-    block's weights read through an optimization barrier together with its
-    input, on a mesh whose data axis is over 1; else as it is.
+    """`call(*args, **kwargs)` (a block's call in `generate`, on a mesh
+    whose data axis is over 1) with the block's weights read through an
+    optimization barrier together with its input `args[0]`; as it is when
+    the weights' values are not traced.
 
     Example: `read_after_the_input(block, block.call, (x,), dict(cache=c))`.
     """
-    found = _weights_and_values(block, args)
+    found = traced_weights(block)
     if found is None:
         return call(*args, **kwargs)
     weights, values = found
     values, inputs = jax.lax.optimization_barrier((values, args[0]))
-    with _reading(weights, values):
+    with reading(weights, values):
         return call(inputs, *args[1:], **kwargs)
 
 
 def gathered_again_in_backward(block: Any, call: Any, args: tuple, kwargs: dict) -> Any:
-    """`call(*args, **kwargs)` (a block's call in a train step) whose
-    backward pass reads the block's weights after its output's cotangent
-    exists, reduces the trainable weights' gradients to their stored
-    layouts and returns the input's cotangent after them, on a mesh whose
-    data axis is over 1; else as it is. Values and gradients are those of
-    the call itself (the added terms are zeros).
+    """`call(*args, **kwargs)` (a block's call in a train step, its batch
+    `args[0]` kept split over a data axis over 1) whose backward pass reads
+    the block's weights after its output's cotangent exists, reduces the
+    trainable weights' gradients to their stored layouts and returns the
+    input's cotangent after them; as it is when the weights' values are not
+    traced. Values and gradients are those of the call itself (the added
+    terms are zeros).
 
     Example: `gathered_again_in_backward(block, block.call, (x,), {})`.
     """
-    found = _weights_and_values(block, args)
+    found = traced_weights(block)
     if found is None:
         return call(*args, **kwargs)
     weights, values = found
@@ -98,7 +100,7 @@ def gathered_again_in_backward(block: Any, call: Any, args: tuple, kwargs: dict)
         for i, value in zip(arrays, rest):
             filled[i] = value
         rest_args, rest_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
-        with _reading(weights, mapped):
+        with reading(weights, mapped):
             return call(inputs, *rest_args, **rest_kwargs)
 
     trained, kept = [values[i] for i in trainable], [values[i] for i in frozen]
@@ -127,27 +129,20 @@ def gathered_again_in_backward(block: Any, call: Any, args: tuple, kwargs: dict)
     return run(trained, kept, args[0], [leaves[i] for i in arrays])
 
 
-def _weights_and_values(block: Any, args: tuple) -> tuple[list, list] | None:
-    """`(block.weights, their traced values)` when the block's input is a
-    traced `[batch, tokens, hidden]` array under a distribution whose data
-    axis is over 1 and every weight's value is traced; else None."""
-    x = args[0] if args else None
-    if not isinstance(x, jax.core.Tracer) or x.ndim != 3:
-        return None
-    distribution = keras.distribution.distribution()
-    data = getattr(distribution, "batch_dim_name", None)
-    if data is None or distribution.device_mesh.shape[distribution.device_mesh.axis_names.index(data)] == 1:
-        return None
-    weights = list(block.weights)
+def traced_weights(layer: Any) -> tuple[list, list] | None:
+    """`(layer.weights, their values)` when every value is traced (a step
+    being traced reads them); else None."""
+    weights = list(layer.weights)
     values = [weight.value for weight in weights]
     if not values or not all(isinstance(value, jax.core.Tracer) for value in values):
-        return None  # not a traced step's values
+        return None
     return weights, values
 
 
-def _reading(weights: list, values: list) -> keras.StatelessScope:
-    # Every weight of the block, mapped: a variable the scope leaves out
-    # would read its initializer, not the step's value.
+def reading(weights: list, values: list) -> keras.StatelessScope:
+    """A scope in which `weights` read `values`: every weight a call reads
+    must be among them, for a variable the scope leaves out reads its
+    initializer, not the step's value."""
     return keras.StatelessScope(state_mapping=list(zip(weights, values)), initialize_variables=False)
 
 
