@@ -364,16 +364,15 @@ def _experts_over_both_axes(bank: Any, otherwise: Any) -> Any:
         if found is None or bank.num_experts % found[0].size or not _gathered_over_data(bank, found[1]):
             return otherwise(*args, **kwargs)
         mesh, data, model = found
-        traced = block_gathers.traced_weights(bank)
+        traced = block_gathers.traced_variables(bank)
         if traced is None:
             return otherwise(*args, **kwargs)  # not a traced step's values
-        weights, values = traced
+        variables, values = traced
         for i, value in enumerate(values):
             if value.ndim >= 2 and value.shape[0] == bank.num_experts:
                 spec = jax.sharding.PartitionSpec((data, model), *[None] * (value.ndim - 1))
                 values[i] = jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(mesh, spec))
-        with block_gathers.reading(weights, values):
-            return call(*args, **kwargs)
+        return block_gathers.calling(variables, values, call, *args, **kwargs)
 
     constrained_call.batch_unconstrained = call
     return constrained_call

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-__all__ = ["gathered_again_in_backward", "read_after_the_input", "reading", "traced_weights"]
+__all__ = ["assign_state", "calling", "gathered_again_in_backward", "read_after_the_input", "traced_once", "traced_variables"]
 
 
 def read_after_the_input(block: Any, call: Any, args: tuple, kwargs: dict) -> Any:
@@ -58,13 +58,12 @@ def read_after_the_input(block: Any, call: Any, args: tuple, kwargs: dict) -> An
 
     Example: `read_after_the_input(block, block.call, (x,), dict(cache=c))`.
     """
-    found = traced_weights(block)
+    found = traced_variables(block)
     if found is None:
         return call(*args, **kwargs)
-    weights, values = found
+    variables, values = found
     values, inputs = jax.lax.optimization_barrier((values, args[0]))
-    with reading(weights, values):
-        return call(inputs, *args[1:], **kwargs)
+    return calling(variables, values, call, inputs, *args[1:], **kwargs)
 
 
 def gathered_again_in_backward(block: Any, call: Any, args: tuple, kwargs: dict) -> Any:
@@ -78,72 +77,130 @@ def gathered_again_in_backward(block: Any, call: Any, args: tuple, kwargs: dict)
 
     Example: `gathered_again_in_backward(block, block.call, (x,), {})`.
     """
-    found = traced_weights(block)
+    found = traced_variables(block)
     if found is None:
         return call(*args, **kwargs)
-    weights, values = found
+    variables, values = found
     distribution = keras.distribution.distribution()
-    trainable = [i for i, weight in enumerate(weights) if weight.trainable]
-    frozen = [i for i, weight in enumerate(weights) if not weight.trainable]
-    layouts = [distribution.get_variable_layout(weights[i]).backend_layout for i in trainable]
+    # Frozen: non-trainable weights (LoRA's base kernels) and other state
+    # (dropout's seeds, handed back updated as the call's second output).
+    trainable = [i for i, variable in enumerate(variables) if variable.trainable]
+    frozen = [i for i, variable in enumerate(variables) if not variable.trainable]
+    layouts = [distribution.get_variable_layout(variables[i]).backend_layout for i in trainable]
 
-    # The other arguments' arrays (masks, positions) become inputs: a
-    # `jax.custom_vjp` function may not close over traced values. (Not
-    # `jax.closure_convert`: its cache keeps every call's constants.)
+    # The other arguments' arrays (masks, positions) are inputs too.
     leaves, treedef = jax.tree_util.tree_flatten((args[1:], kwargs))
     arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
 
-    def block_of(trained: list, kept: list, inputs: Any, rest: list) -> Any:
-        mapped, filled = [None] * len(weights), list(leaves)
+    def block_of(trained: list, kept: list, inputs: Any, rest: list) -> tuple[Any, dict]:
+        mapped, filled = [None] * len(variables), list(leaves)
         for i, value in [*zip(trainable, trained), *zip(frozen, kept)]:
             mapped[i] = value
         for i, value in zip(arrays, rest):
             filled[i] = value
         rest_args, rest_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
-        with reading(weights, mapped):
-            return call(inputs, *rest_args, **rest_kwargs)
+        return calling(variables, mapped, call, inputs, *rest_args, returning_state=True, **rest_kwargs)
 
     trained, kept = [values[i] for i in trainable], [values[i] for i in frozen]
+    rest = [leaves[i] for i in arrays]
+    evaluate, consts = traced_once(block_of, trained, kept, args[0], rest)
 
     @jax.custom_vjp
-    def run(trained, kept, inputs, rest):
-        return block_of(trained, kept, inputs, rest)
+    def run(consts, trained, kept, inputs, rest):
+        return evaluate(consts, trained, kept, inputs, rest)
 
-    def forward(trained, kept, inputs, rest):
-        output, pullback = jax.vjp(block_of, trained, kept, inputs, rest)
+    def forward(consts, trained, kept, inputs, rest):
+        output, pullback, state = jax.vjp(evaluate, consts, trained, kept, inputs, rest, has_aux=True)
         weight_ids = {id(value) for value in [*trained, *kept]}
-        return output, (pullback, tuple(id(leaf) in weight_ids for leaf in jax.tree_util.tree_leaves(pullback)))
+        is_weight = tuple(id(leaf) in weight_ids for leaf in jax.tree_util.tree_leaves(pullback))
+        return (output, state), (pullback, is_weight)
 
-    def backward(saved, cotangent):
+    def backward(saved, cotangents):
         pullback, is_weight = saved
+        cotangent = cotangents[0]  # the state's (integer seeds) is float0
         residuals, residual_tree = jax.tree_util.tree_flatten(pullback)
         after = _zero_after(jax.tree_util.tree_leaves(cotangent)[0])
         residuals = [_plus(r, after) if weight else r for r, weight in zip(residuals, is_weight)]
-        grads, kept_grads, input_grad, rest_grads = jax.tree_util.tree_unflatten(residual_tree, residuals)(cotangent)
+        pulled = jax.tree_util.tree_unflatten(residual_tree, residuals)(cotangent)
+        const_grads, grads, kept_grads, input_grad, rest_grads = pulled
         grads = [jax.lax.with_sharding_constraint(g, layout) for g, layout in zip(grads, layouts)]
         if grads:
             input_grad = _plus(input_grad, sum(_zero_after(g) for g in grads))
-        return grads, kept_grads, input_grad, rest_grads
+        return const_grads, grads, kept_grads, input_grad, rest_grads
 
     run.defvjp(forward, backward)
-    return run(trained, kept, args[0], [leaves[i] for i in arrays])
+    output, state = run(consts, trained, kept, args[0], rest)
+    assign_state(variables, state)
+    return output
 
 
-def traced_weights(layer: Any) -> tuple[list, list] | None:
-    """`(layer.weights, their values)` when every value is traced (a step
-    being traced reads them); else None."""
+def traced_once(function: Any, *args: Any) -> tuple[Any, list]:
+    """`function(*args)` traced now, as `(evaluate, consts)`:
+    `evaluate(consts, *args)` computes what it computed (same pytrees), the
+    program read back, not the Python function called again.
+
+    A `jax.custom_vjp`'s rules are traced when the step is differentiated,
+    possibly outside the Keras call context in which Keras tells the layers
+    inside `training` (a block inside a rematerialized one: dropout was off
+    in its backward pass); and they may not close over traced values, so
+    what the program reads besides `args` (`consts`) becomes an input. (Not
+    `jax.closure_convert`: its cache keeps every call's constants.)
+
+    Example: `evaluate, consts = traced_once(layer.call, x); y =
+    evaluate(consts, x)`.
+    """
+    program, shapes = jax.make_jaxpr(function, return_shape=True)(*args)
+    outputs = jax.tree_util.tree_structure(shapes)
+
+    def evaluate(consts: list, *args: Any) -> Any:
+        flat = jax.core.eval_jaxpr(program.jaxpr, consts, *jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(outputs, flat)
+
+    return evaluate, list(program.consts)
+
+
+def traced_variables(layer: Any) -> tuple[list, list] | None:
+    """`(variables, their values)` when every value is traced (a step being
+    traced reads them), else None: `layer`'s weights, then its other state
+    (its seed generators', which `layer.weights` leaves out)."""
     weights = list(layer.weights)
-    values = [weight.value for weight in weights]
+    known = {id(weight) for weight in weights}
+    variables = weights + [variable for variable in layer.variables if id(variable) not in known]
+    values = [variable.value for variable in variables]
     if not values or not all(isinstance(value, jax.core.Tracer) for value in values):
         return None
-    return weights, values
+    return variables, values
 
 
-def reading(weights: list, values: list) -> keras.StatelessScope:
-    """A scope in which `weights` read `values`: every weight a call reads
-    must be among them, for a variable the scope leaves out reads its
-    initializer, not the step's value."""
-    return keras.StatelessScope(state_mapping=list(zip(weights, values)), initialize_variables=False)
+def calling(variables: list, values: list, call: Any, *args: Any, returning_state: bool = False, **kwargs: Any) -> Any:
+    """`call(*args, **kwargs)` with `variables` reading `values`: every
+    variable the call reads must be among them, for one the scope leaves
+    out reads its initializer, not the step's value. What it assigns
+    (dropout's seeds) is assigned in the caller's scope, or with
+    `returning_state=True` returned with the output, `(output, {index in
+    variables: value})`, for `assign_state` outside a `jax.custom_vjp`.
+
+    Example: `calling(*traced_variables(layer), layer.call, x)`.
+    """
+    with keras.StatelessScope(state_mapping=list(zip(variables, values)), initialize_variables=False) as scope:
+        read = [scope.get_current_value(variable) for variable in variables]
+        output = call(*args, **kwargs)
+    state = {}
+    for i, (variable, value) in enumerate(zip(variables, read)):
+        current = scope.get_current_value(variable)
+        if current is not value:
+            state[i] = current
+    if returning_state:
+        return output, state
+    assign_state(variables, state)
+    return output
+
+
+def assign_state(variables: list, state: dict) -> None:
+    """Assigns `state` (from `calling(..., returning_state=True)`) to the
+    variables it belongs to, in the scope of the step being traced."""
+    for i, value in state.items():
+        variables[i].assign(value)
 
 
 def _zero_after(x: Any) -> Any:

@@ -51,6 +51,7 @@ import keras
 import numpy as np
 
 from keras_hub_dist import _compat
+from keras_hub_dist.plan import block_gathers
 
 __all__ = ["REMAT_MODES", "apply_remat", "decoder_blocks", "remat_scope"]
 
@@ -92,11 +93,11 @@ def decoder_blocks(model: Any) -> list[Any]:
     return list(blocks)
 
 
-def checkpointed(call: Any, larger_than: int | None = None) -> Any:
-    """`call` rematerialized (`_recomputed_after_cotangent`), its array
-    arguments traced and every other argument (flags, indices, `None`)
-    passed as it is; with `larger_than`, only when its outputs hold more
-    elements than that."""
+def checkpointed(layer: Any, call: Any, larger_than: int | None = None) -> Any:
+    """`layer`'s `call` rematerialized (`_recomputed_after_cotangent`), its
+    array arguments and `layer`'s variables its inputs and every other
+    argument (flags, indices, `None`) passed as it is; with `larger_than`, only when
+    its outputs hold more elements than that."""
 
     @functools.wraps(call)
     def remat_call(*args, **kwargs):
@@ -125,40 +126,58 @@ def checkpointed(call: Any, larger_than: int | None = None) -> Any:
             finally:
                 _INSIDE.pop()
 
-        return _recomputed_after_cotangent(inside, values)
+        return _recomputed_after_cotangent(layer, inside, values)
 
     remat_call.unrematerialized = call
     return remat_call
 
 
-def _recomputed_after_cotangent(function: Any, values: list) -> Any:
-    """`function(*values)` whose backward pass recomputes it from its inputs,
-    what `jax.checkpoint` does, from inputs that depend on the output's
-    cotangent: XLA:CPU drops `jax.checkpoint`'s optimization barriers and
-    merges the recomputation with the forward pass (CSE), or runs it before
-    the loss, so each block's activations stayed alive (0.66x of the
-    temporaries per layer without remat against 0.03x here, docs/plan.md)."""
-    converted, consts = jax.closure_convert(function, *values)
+def _recomputed_after_cotangent(layer: Any, function: Any, values: list) -> Any:
+    """`function(*values)` (a call of `layer`) whose backward pass recomputes
+    it from its inputs, what `jax.checkpoint` does, from inputs that depend
+    on the output's cotangent: XLA:CPU drops `jax.checkpoint`'s optimization
+    barriers and merges the recomputation with the forward pass (CSE), or
+    runs it before the loss, so each block's activations stayed alive (0.66x
+    of the temporaries per layer without remat against 0.03x here,
+    docs/plan.md).
+
+    The call is traced once, here, in the layer's call context, and the
+    recomputation evaluates that program again (`block_gathers.traced_once`);
+    the layer's variables are read through `block_gathers.calling`, and
+    what the call assigns (dropout's seeds) is a second output: the
+    recomputation draws the forward pass's dropout masks.
+    """
+    found = block_gathers.traced_variables(layer)
+    variables, variable_values = found if found is not None else ([], [])
+
+    def read(values: list, variable_values: list) -> tuple[Any, dict]:
+        if not variables:  # untraced variables are constants
+            return function(*values), {}
+        return block_gathers.calling(variables, variable_values, function, *values, returning_state=True)
+
+    evaluate, consts = block_gathers.traced_once(read, values, variable_values)
 
     @jax.custom_vjp
-    def run(values, consts):
-        return converted(*values, *consts)
+    def run(inputs):
+        return evaluate(*inputs)
 
-    def forward(values, consts):
-        return converted(*values, *consts), (values, consts)
+    def forward(inputs):
+        return evaluate(*inputs), inputs
 
-    def backward(saved, cotangent):
-        # `0 * cotangent[0]` (XLA does not fold a float product with 0):
-        # every float input of the recomputation depends on the cotangent.
-        zero = jnp.ravel(jax.tree_util.tree_leaves(cotangent)[0])[0] * 0
-        saved = jax.tree.map(
-            lambda v: v + zero.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, saved
+    def backward(inputs, cotangents):
+        # `0 * cotangent[0]` of the output (XLA does not fold a float product
+        # with 0; the state's cotangents, integer seeds', are float0): every
+        # float input of the recomputation depends on the cotangent.
+        zero = jnp.ravel(jax.tree_util.tree_leaves(cotangents[0])[0])[0] * 0
+        inputs = jax.tree.map(
+            lambda v: v + zero.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, inputs
         )
-        _, pullback = jax.vjp(lambda v, c: converted(*v, *c), *saved)
-        return pullback(cotangent)
+        return jax.vjp(lambda inputs: evaluate(*inputs)[0], inputs)[1](cotangents[0])
 
     run.defvjp(forward, backward)
-    return run(list(values), consts)
+    output, state = run((consts, list(values), list(variable_values)))
+    block_gathers.assign_state(variables, state)
+    return output
 
 
 # The rematerialized calls being traced (a layer inside one is not nested).
@@ -183,6 +202,6 @@ def apply_remat(model: Any, remat: Any) -> None:
         _compat.set_remat_mode(inside, scope)
     for layer in blocks if scope.mode == "full" else inside:
         if scope.mode == "full" or (scope.mode == "list_of_layers" and layer.name in scope.layer_names):
-            layer.call = checkpointed(layer.call)
+            layer.call = checkpointed(layer, layer.call)
         elif scope.mode == "larger_than":
-            layer.call = checkpointed(layer.call, scope.output_size_threshold)
+            layer.call = checkpointed(layer, layer.call, scope.output_size_threshold)

@@ -142,12 +142,15 @@ def test_load_plan_is_the_weights_share():
     assert plan.temp_bytes == 0
 
 
-def test_a_plan_of_a_loaded_model_allocates_nothing(gemma_preset):
+@pytest.mark.parametrize("remat", [None, "full"])
+def test_a_plan_of_a_loaded_model_allocates_nothing(gemma_preset, remat):
     lm = keras_hub_dist.load_sharded_preset(gemma_preset, mesh=(2, 4), task="causal_lm")
     gc.collect()
     before = jax.live_arrays()  # held: their ids stay theirs
     known = {id(a) for a in before}
-    plan = plan_memory(lm, (2, 4), job="fit", **PLAN)
+    # With remat, each block's call crosses a `jax.custom_vjp` (whose
+    # weights, passed through `jax.closure_convert`, once stayed cached).
+    plan = plan_memory(lm, (2, 4), job="fit", remat=remat, **PLAN)
     # The plan's own optimizer and metric scalars (step count, learning
     # rate, loss tracker) are garbage once it returns. (An earlier test's
     # array that JAX or Keras frees meanwhile is no concern here.)

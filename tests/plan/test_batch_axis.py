@@ -87,15 +87,15 @@ def test_a_stock_plan_leaves_the_blocks_to_xla(clean_state):
 
 @pytest.mark.parametrize("lora_rank", [None, 4])
 def test_a_train_step_computes_what_stock_computes(lora_rank, tmp_path, monkeypatch):
-    """One real train step on (2, 4) (full, and LoRA with the kernels
-    frozen): the same loss and updated weights with the batch kept split
-    and each block's weights gathered again in its backward pass as with
-    XLA's own choice (f32, within 1e-6)."""
+    """Two real train steps on (2, 4) (full, and LoRA with the kernels
+    frozen), with dropout: the same loss, updated weights and dropout seeds
+    with the batch kept split and each block's weights gathered again in
+    its backward pass as with XLA's own choice (f32, within 1e-6)."""
     wrapper, regathered = block_gathers.gathered_again_in_backward, []
     monkeypatch.setattr(
         block_gathers, "gathered_again_in_backward", lambda *a: regathered.append(a[0].name) or wrapper(*a)
     )
-    config = dict(WIDE_LLAMA, hidden_dim=64, intermediate_dim=128)
+    config = dict(WIDE_LLAMA, hidden_dim=64, intermediate_dim=128, dropout=0.5)
     preset = keras_hub_dist.write_synthetic_preset(
         str(tmp_path / "llama"), keras_hub.models.LlamaBackbone, tokenizer=True, **config
     )
@@ -104,6 +104,7 @@ def test_a_train_step_computes_what_stock_computes(lora_rank, tmp_path, monkeypa
     x = {"token_ids": tokens, "padding_mask": np.ones((BATCH, 32), bool)}
     results = []
     for keep in (True, False):
+        keras.utils.set_random_seed(0)  # the same dropout seeds both ways
         lm = keras_hub_dist.load_sharded_preset(preset, mesh=(2, 4), task="causal_lm")
         if not keep:
             _unconstrained(lm)
@@ -112,11 +113,16 @@ def test_a_train_step_computes_what_stock_computes(lora_rank, tmp_path, monkeypa
             lm.backbone.enable_lora(lora_rank)  # Keras's: query and value, the rest frozen
         lm.preprocessor = None
         lm.compile(optimizer=keras.optimizers.SGD(0.1))
-        loss = lm.train_on_batch(x, tokens)
-        results.append((loss, [np.asarray(jax.device_get(v.value)) for v in lm.trainable_weights]))
+        seeds = [v for v in lm.variables if v.path.endswith("seed_generator_state")]
+        first = [np.asarray(v.value) for v in seeds]
+        # A second step draws other dropout masks: the seeds advanced.
+        losses = [lm.train_on_batch(x, tokens) for _ in range(2)]
+        assert all((np.asarray(v.value) != s).any() for v, s in zip(seeds, first))
+        results.append((losses, [np.asarray(jax.device_get(v.value)) for v in [*lm.trainable_weights, *seeds]]))
         del lm
-    (loss, weights), (stock_loss, stock_weights) = results
-    np.testing.assert_allclose(loss, stock_loss, rtol=1e-6)
+    (losses, weights), (stock_losses, stock_weights) = results
+    assert losses[0] != losses[1]
+    np.testing.assert_allclose(losses, stock_losses, rtol=1e-6)
     for ours, stock in zip(weights, stock_weights):
         np.testing.assert_allclose(ours, stock, rtol=1e-5, atol=1e-6)
     # The step traced each of the 2 blocks through the wrapper.
@@ -230,7 +236,7 @@ def test_a_fit_step_gathers_each_blocks_weights_again_in_its_backward_pass(mesh,
 
 
 def test_generate_gives_the_tokens_of_the_unconstrained_model(tmp_path, monkeypatch):
-    config = dict(WIDE_LLAMA, hidden_dim=64, intermediate_dim=128)
+    config = dict(WIDE_LLAMA, hidden_dim=64, intermediate_dim=128, dropout=0.5)
     preset = keras_hub_dist.write_synthetic_preset(
         str(tmp_path / "llama"), keras_hub.models.LlamaBackbone, tokenizer=True, **config
     )

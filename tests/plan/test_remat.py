@@ -16,6 +16,7 @@ import pytest
 import keras_hub_dist
 from keras_hub_dist.jobs import programs
 from keras_hub_dist.jobs.abstract_job import abstract_job
+from keras_hub_dist.plan import block_gathers
 from keras_hub_dist.plan.build import build_without_values, remat_scope
 from keras_hub_dist.plan.remat import apply_remat
 
@@ -135,13 +136,24 @@ def test_full_remat_cuts_per_layer_fit_memory():
     assert per_layer["full"] <= 0.2 * per_layer[None], (temps, per_layer)
 
 
-def test_causal_lm_fit_with_remat_matches_without(tmp_path):
-    preset = keras_hub_dist.write_synthetic_preset(
-        str(tmp_path / "gemma"), keras_hub.models.GemmaBackbone, tokenizer=True, **TINY_GEMMA
+@pytest.mark.parametrize("mesh", [(1, 8), (2, 4)])
+def test_causal_lm_fit_with_remat_matches_without(mesh, tmp_path, monkeypatch):
+    """Two SGD steps with dropout, with `remat="full"` and without: the same
+    losses, weights and dropout seeds. On (2, 4) each rematerialized block
+    also runs `block_gathers.gathered_again_in_backward` inside, whose
+    backward pass is traced within the recomputation's."""
+    wrapper, regathered = block_gathers.gathered_again_in_backward, []
+    monkeypatch.setattr(
+        block_gathers, "gathered_again_in_backward", lambda *a: regathered.append(a[0].name) or wrapper(*a)
     )
-    lm = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), task="causal_lm", remat="full")
+    preset = keras_hub_dist.write_synthetic_preset(
+        str(tmp_path / "gemma"), keras_hub.models.GemmaBackbone, tokenizer=True, **TINY_GEMMA, dropout=0.5
+    )
+    lm = keras_hub_dist.load_sharded_preset(preset, mesh=mesh, task="causal_lm", remat="full")
     lm.preprocessor = None
     initial = lm.get_weights()
+    seeds = [v for v in lm.variables if v.path.endswith("seed_generator_state")]
+    first_seeds = [np.asarray(v.value) for v in seeds]
     rng = np.random.default_rng(0)
     x = {"token_ids": rng.integers(0, 64, (8, 12)).astype("int32"), "padding_mask": np.ones((8, 12), bool)}
     y = rng.integers(0, 64, (8, 12)).astype("int32")
@@ -149,13 +161,18 @@ def test_causal_lm_fit_with_remat_matches_without(tmp_path):
     for remat in ("full", None):
         apply_remat(lm, remat)
         lm.set_weights(initial)
-        # One SGD step: the update is the gradient itself (Adam's first step
-        # is about lr * sign(g), which turns float noise in a ~0 gradient
-        # into lr).
+        for seed, value in zip(seeds, first_seeds):
+            seed.assign(value)  # the same dropout masks both ways
+        # SGD: the update is the gradient itself (Adam's first step is about
+        # lr * sign(g), which turns float noise in a ~0 gradient into lr).
         lm.compile(optimizer=keras.optimizers.SGD(0.1))
-        losses.append(lm.fit(x, y, sample_weight=x["padding_mask"], batch_size=8, verbose=0).history["loss"])
-        weights.append(lm.get_weights())
+        # Two steps: the second draws other dropout masks (the seeds
+        # advanced), and each recomputation the forward pass's.
+        losses.append(lm.fit(x, y, sample_weight=x["padding_mask"], batch_size=8, epochs=2, verbose=0).history["loss"])
+        weights.append([*lm.get_weights(), *[np.asarray(v.value) for v in seeds]])
     keras.distribution.set_distribution(None)
+    assert len(seeds) >= 4 and losses[0][0] != losses[0][1]  # 2 in each block
+    assert bool(regathered) == (mesh == (2, 4))
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
     for a, b in zip(*weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
