@@ -10,6 +10,7 @@ the sweep goes on. Exit status 1 when any plan failed.
 
     python benchmarks/sweep_plans.py                         # all, mesh 1x8, 2 layers
     python benchmarks/sweep_plans.py --mesh 2x4 --names gemma3_1b,qwen3_5_0.8b
+    python benchmarks/sweep_plans.py --mesh 2x4 --jobs fit --vocabulary 1024  # without most of the vocabulary
 """
 
 from __future__ import annotations
@@ -52,11 +53,16 @@ def main() -> int:
     parser.add_argument("--jobs", default="load,fit,generate")
     parser.add_argument("--fit", default="8x512", help="BATCHxSEQ of the fit step.")
     parser.add_argument("--generate", default="8x1024", help="BATCHxMAX_LENGTH of generate.")
+    parser.add_argument(
+        "--vocabulary", type=int, default=None,
+        help="A vocabulary_size for every architecture instead of its own (what the embedding tables cost).",
+    )
     args = parser.parse_args()
     mesh = tuple(int(x) for x in args.mesh.split("x"))
     names = args.names.split(",") if args.names else distinct_names()
     print(f"jax {jax.__version__}, keras_hub_dist {keras_hub_dist.__version__}, {len(names)} architectures, "
-          f"mesh {args.mesh}, {args.layers} layers, bf16", flush=True)
+          f"mesh {args.mesh}, {args.layers} layers, bf16"
+          + ("" if args.vocabulary is None else f", vocabulary {args.vocabulary}"), flush=True)
     failed = 0
     for name in names:
         for job in args.jobs.split(","):
@@ -68,6 +74,7 @@ def main() -> int:
                     plan = keras_hub_dist.plan_memory(
                         name, mesh, job=job, batch_size=batch, sequence_length=seq,
                         num_layers=args.layers, dtype="bfloat16", alternatives=False,
+                        overrides=None if args.vocabulary is None else {"vocabulary_size": args.vocabulary},
                     )
             except Exception as error:  # noqa: BLE001 - the sweep reports and goes on
                 failed += 1

@@ -23,6 +23,13 @@ gathered weights outlive the block:
   layout there, and handing the input's cotangent back only once they are
   reduced.
 
+A block's call reads its variables from a scope of their own (`calling`):
+its weights and its seed generators' state, which it hands back advanced
+(dropout draws new masks each step). The fit step's block is traced once,
+in its Keras call context, and its `jax.custom_vjp` evaluates that program
+(`traced_once`): rules traced later, outside the context, ran the block
+with `training` unset, dropout off.
+
 The dependencies in the backward pass are arithmetic (a weight plus 0 x a
 cotangent element): XLA's CPU compiler drops optimization barriers before
 it schedules, and would merge the gathers again. They cost an elementwise
