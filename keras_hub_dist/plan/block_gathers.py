@@ -54,7 +54,9 @@ import jax
 import jax.numpy as jnp
 import keras
 
-__all__ = ["assign_state", "calling", "gathered_again_in_backward", "read_after_the_input", "traced_once", "traced_variables"]
+__all__ = [
+    "assign_state", "calling", "gathered_again_in_backward", "read_after_the_input", "traced_once", "traced_variables",
+]
 
 
 def read_after_the_input(block: Any, call: Any, args: tuple, kwargs: dict) -> Any:
