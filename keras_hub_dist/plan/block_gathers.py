@@ -97,29 +97,22 @@ def gathered_again_in_backward(block: Any, call: Any, args: tuple, kwargs: dict)
     frozen = [i for i, variable in enumerate(variables) if not variable.trainable]
     layouts = [distribution.get_variable_layout(variables[i]).backend_layout for i in trainable]
 
-    # The other arguments' arrays (masks, positions) are inputs too.
-    leaves, treedef = jax.tree_util.tree_flatten((args[1:], kwargs))
-    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-
-    def block_of(trained: list, kept: list, inputs: Any, rest: list) -> tuple[Any, dict]:
-        mapped, filled = [None] * len(variables), list(leaves)
+    def block_of(trained: list, kept: list, inputs: Any) -> tuple[Any, dict]:
+        mapped = [None] * len(variables)
         for i, value in [*zip(trainable, trained), *zip(frozen, kept)]:
             mapped[i] = value
-        for i, value in zip(arrays, rest):
-            filled[i] = value
-        rest_args, rest_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
-        return calling(variables, mapped, call, inputs, *rest_args, returning_state=True, **rest_kwargs)
+        return calling(variables, mapped, call, inputs, *args[1:], returning_state=True, **kwargs)
 
     trained, kept = [values[i] for i in trainable], [values[i] for i in frozen]
-    rest = [leaves[i] for i in arrays]
-    evaluate, consts = traced_once(block_of, trained, kept, args[0], rest)
+    # The other arguments' arrays (masks, positions) are among `consts`.
+    evaluate, consts = traced_once(block_of, trained, kept, args[0])
 
     @jax.custom_vjp
-    def run(consts, trained, kept, inputs, rest):
-        return evaluate(consts, trained, kept, inputs, rest)
+    def run(consts, trained, kept, inputs):
+        return evaluate(consts, trained, kept, inputs)
 
-    def forward(consts, trained, kept, inputs, rest):
-        output, pullback, state = jax.vjp(evaluate, consts, trained, kept, inputs, rest, has_aux=True)
+    def forward(consts, trained, kept, inputs):
+        output, pullback, state = jax.vjp(evaluate, consts, trained, kept, inputs, has_aux=True)
         weight_ids = {id(value) for value in [*trained, *kept]}
         is_weight = tuple(id(leaf) in weight_ids for leaf in jax.tree_util.tree_leaves(pullback))
         return (output, state), (pullback, is_weight)
@@ -131,14 +124,14 @@ def gathered_again_in_backward(block: Any, call: Any, args: tuple, kwargs: dict)
         after = _zero_after(jax.tree_util.tree_leaves(cotangent)[0])
         residuals = [_plus(r, after) if weight else r for r, weight in zip(residuals, is_weight)]
         pulled = jax.tree_util.tree_unflatten(residual_tree, residuals)(cotangent)
-        const_grads, grads, kept_grads, input_grad, rest_grads = pulled
+        const_grads, grads, kept_grads, input_grad = pulled
         grads = [jax.lax.with_sharding_constraint(g, layout) for g, layout in zip(grads, layouts)]
         if grads:
             input_grad = _plus(input_grad, sum(_zero_after(g) for g in grads))
-        return const_grads, grads, kept_grads, input_grad, rest_grads
+        return const_grads, grads, kept_grads, input_grad
 
     run.defvjp(forward, backward)
-    output, state = run(consts, trained, kept, args[0], rest)
+    output, state = run(consts, trained, kept, args[0])
     assign_state(variables, state)
     return output
 
