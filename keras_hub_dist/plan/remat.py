@@ -96,8 +96,8 @@ def decoder_blocks(model: Any) -> list[Any]:
 def checkpointed(layer: Any, call: Any, larger_than: int | None = None) -> Any:
     """`layer`'s `call` rematerialized (`_recomputed_after_cotangent`), its
     array arguments and `layer`'s variables its inputs and every other
-    argument (flags, indices, `None`) passed as it is; with `larger_than`, only when
-    its outputs hold more elements than that."""
+    argument (flags, indices, `None`) passed as it is; with `larger_than`,
+    only when its outputs hold more elements than that."""
 
     @functools.wraps(call)
     def remat_call(*args, **kwargs):
