@@ -81,6 +81,11 @@ class lazy_import:  # noqa: N801 - stands for a module
         self._name = name
 
     def __getattr__(self, attr):
+        # pytest's collection probes every module-level object for dunders
+        # and mock markers (`__test__`, `_mock_name`, `__wrapped__`): those
+        # must not import the module (8 s of each worker's collection).
+        if attr.startswith("_"):
+            raise AttributeError(attr)
         return getattr(pytest.importorskip(self._name), attr)
 
 
