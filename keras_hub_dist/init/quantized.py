@@ -38,7 +38,7 @@ from keras_hub_dist.formats.base import Index, TensorSource, numpy_dtype
 from keras_hub_dist.quantize.quantizer import TensorQuantizer, group_index_source, slab_buffers
 from keras_hub_dist.quantize.combine import combine_statistics, sharding_blocks
 from keras_hub_dist.init import initializers
-from keras_hub_dist.plan import quantization
+from keras_hub_dist.plan import quantization, specs
 from keras_hub_dist.plan.quantized_layouts import quantized_axes
 
 __all__ = ["initialize_quantized"]
@@ -93,7 +93,7 @@ def _fresh(values: np.ndarray) -> np.ndarray:
 
 def _place(variable: Any, source: TensorSource, axes: tuple, mesh: Any) -> None:
     """Fills a deferred variable from `source`, each local block on its devices."""
-    layout = keras.distribution.TensorLayout(axes, mesh)
+    layout = specs.tensor_layout(axes, mesh)
     sharding = layout.backend_layout
     shape = tuple(int(d) for d in variable.shape)
     dtype = numpy_dtype(variable.dtype)
@@ -137,7 +137,7 @@ def initialize_quantized(backbone: keras.Model, created: list[Any], mode: str) -
         drawn = _compat.variable_array(float_variable)
         quantizer = TensorQuantizer(tensor, _DeviceShards(drawn, float_variable.path), float_variable.dtype, buffers)
         values = quantizer.values_source()
-        sharding = keras.distribution.TensorLayout(axes[tensor.values.path], mesh).backend_layout
+        sharding = specs.tensor_layout(axes[tensor.values.path], mesh).backend_layout
         if quantizer.splits(sharding_blocks(sharding, values.shape)):
             combine_statistics([(quantizer, sharding_blocks(sharding, values.shape, local=True))])
         sources = {tensor.values.path: values, tensor.scale.path: quantizer.scale_source(numpy_dtype(tensor.scale.dtype))}

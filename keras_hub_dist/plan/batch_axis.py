@@ -88,6 +88,9 @@ it does not, both inputs keep the tokens on the data axis. Gemma 4 26B-A4B
 width, 2 layers, total per device, before -> tokens on the data axis ->
 experts over both axes ((1, 8)): generate 8 x 1024 5,256 -> 4,601 -> 3,303
 MiB (3,242); Adam fit 8 x 512 11,778 -> 10,814 -> 10,592 MiB (9,792).
+Since the vocabulary tables are split over both axes
+(`family_rules.vocabulary_rules`) that fit step costs 9,703 MiB with or
+without its tokens kept on the data axis.
 
 Stacked expert banks (Qwen 3 MoE, Qwen 3.5 MoE, Qwen MoE, gpt-oss, Gemma 4:
 every expert run on every token, `[experts, ...]` weights). The maps store

@@ -67,7 +67,7 @@ from keras_hub_dist.plan import presets
 from keras_hub_dist.plan import quantization
 from keras_hub_dist.plan import specs
 from keras_hub_dist.plan.build import variable_specs
-from keras_hub_dist.plan.family_rules import ExpertBank
+from keras_hub_dist.plan.family_rules import ExpertBank, VocabularyTable
 from keras_hub_dist.plan.families import keras_hub_family
 from keras_hub_dist.plan.mesh import axis_sizes
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
@@ -195,6 +195,8 @@ class ReportingLayoutMap(keras.distribution.LayoutMap):
 
     def __setitem__(self, key: str, layout: Any) -> None:
         self._found.clear()
+        if isinstance(layout, tuple):  # an entry may name both mesh axes
+            layout = specs.tensor_layout(layout)
         super().__setitem__(key, layout)
 
     def __delitem__(self, key: str) -> Any:
@@ -268,8 +270,9 @@ def _quantized_entries(model_or_class_or_name: Any, layout_map: ReportingLayoutM
 def _base_rules(
     cls: type, family: str | None, mesh: keras.distribution.DeviceMesh,
     model_dim: str, data_dim: str,
-) -> tuple[dict[str, Axes], dict[str, ExpertBank], str]:
-    """`(rules: key -> axes, expert banks: key -> ExpertBank, source)`."""
+) -> tuple[dict[str, Axes], dict[str, ExpertBank | VocabularyTable], str]:
+    """`(rules: key -> axes, key -> the `ExpertBank` or `VocabularyTable`
+    rule of the keys that have one, source)`."""
     keras_hub_map = getattr(cls, "get_layout_map", None)
     written = None
     if not callable(keras_hub_map):
@@ -294,12 +297,18 @@ def _base_rules(
         )
     for key, axes in family_rules.extra_rules(family, model_dim, data_dim).items():
         rules.setdefault(key, axes)
-    banks = {key: bank for key, bank in rules.items() if isinstance(bank, ExpertBank)}
-    axes_of = {
-        key: bank.axes if isinstance(bank, ExpertBank) else tuple(bank)
-        for key, bank in rules.items()
-    }
-    return axes_of, banks, source
+    rules.update(family_rules.vocabulary_rules(model_dim, data_dim))
+    special = {key: rule for key, rule in rules.items() if isinstance(rule, (ExpertBank, VocabularyTable))}
+    axes_of = {key: rule.axes if key in special else tuple(rule) for key, rule in rules.items()}
+    return axes_of, special, source
+
+
+def _divides(shape: tuple[int, ...], axes: Axes, sizes: Mapping[str, int]) -> bool:
+    """Whether `axes` split `shape` evenly."""
+    return all(
+        shape[dim] % math.prod(sizes[name] for name in specs.entry_axes(entry)) == 0
+        for dim, entry in enumerate(axes)
+    )
 
 
 def _fallback_axes(
@@ -456,7 +465,7 @@ def get_layout_map(
     _check_axis_names(mesh, model_parallel_dim_name, data_parallel_dim_name)
     cls, variables = _target(model_or_class_or_name)
     family = keras_hub_family(cls)
-    rules, banks, source = _base_rules(
+    rules, special, source = _base_rules(
         cls, family, mesh, model_parallel_dim_name, data_parallel_dim_name
     )
     sizes = axis_sizes(mesh)
@@ -473,9 +482,17 @@ def get_layout_map(
         rule = next((key for key in rules if layout_map[key] is layout), path)
         matched[rule] = matched.get(rule, 0) + 1
         wanted, reasons = requested, []
-        if rule in banks:
+        if isinstance(special.get(rule), VocabularyTable):
+            # Over both axes where they divide the vocabulary, else KerasHub's.
+            if not _divides(shape, requested, sizes):
+                wanted = special[rule].otherwise
+                reasons.append(
+                    f"mesh axes {dict(sizes)} do not divide the vocabulary: the "
+                    "table keeps the vocabulary on the model axis only."
+                )
+        elif rule in special:
             # Experts first, else the expert FFN, else a LayoutError.
-            bank = banks[rule]
+            bank = special[rule]
             wanted = family_rules.expert_axes(
                 path, tuple(shape), bank, sizes, model_parallel_dim_name
             )

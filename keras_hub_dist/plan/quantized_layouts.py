@@ -234,7 +234,7 @@ def add_quantized_entries(
         for path, axes in quantized_axes(tensor, float_axes[tensor.float_path], sizes, fallbacks).items():
             if path in keys:
                 del layout_map[path]
-            layout_map[path] = axes
+            layout_map[path] = specs.tensor_layout(axes)
             keys.add(path)
     if fallbacks:
         warnings.warn(
@@ -291,5 +291,5 @@ class QuantizationAwareModelParallel(keras.distribution.ModelParallel):
             )
             axes = self._quantized.get(key)
             if axes is not None:
-                return keras.distribution.TensorLayout(axes, self.device_mesh)
+                return specs.tensor_layout(axes, self.device_mesh)
         return super().get_variable_layout(variable)

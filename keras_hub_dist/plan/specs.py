@@ -18,10 +18,12 @@ from keras_hub_dist.errors import LayoutError
 from keras_hub_dist.plan.mesh import axis_sizes
 
 __all__ = [
+    "MergedAxesLayout",
     "as_partition_spec",
     "entry_axes",
     "lookup_layout",
     "shard_shape",
+    "tensor_layout",
     "validate_spec",
 ]
 
@@ -42,6 +44,49 @@ def entry_axes(entry: AxisEntry) -> tuple[str, ...]:
     if isinstance(entry, str):
         return (entry,)
     return tuple(entry)
+
+
+class MergedAxesLayout(keras.distribution.TensorLayout):
+    """A `keras.distribution.TensorLayout` whose entries may name several
+    mesh axes for one dimension, as a `PartitionSpec`'s do.
+
+    Keras's `TensorLayout` takes one mesh axis name (or `None`) per
+    dimension; its JAX backend turns the axes into a `PartitionSpec` as they
+    are, which takes a tuple of names too. The package's maps use that for
+    the vocabulary tables (`family_rules.vocabulary_rules`): split along the
+    vocabulary over both axes of a `(batch, model)` mesh, as `(1, 8)` splits
+    them over its model axis.
+
+    Example:
+
+    >>> mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"))
+    >>> layout = MergedAxesLayout((("batch", "model"), None), mesh)
+    >>> layout.backend_layout.spec
+    PartitionSpec(('batch', 'model'), None)
+    """
+
+    def _validate_axes(self) -> None:
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        names = [name for entry in self.axes for name in entry_axes(entry)]
+        unknown = sorted(set(names) - set(mesh.axis_names))
+        if unknown or len(set(names)) != len(names):
+            raise ValueError(
+                "Invalid axis names for Layout. Expected each of the mesh's "
+                f"axis names {tuple(mesh.axis_names)} at most once (an entry "
+                f"may be a tuple of them). Received: axes={self.axes}."
+            )
+
+
+def tensor_layout(axes: Sequence[AxisEntry], device_mesh: Any = None) -> keras.distribution.TensorLayout:
+    """A Keras `TensorLayout` for `axes`: a `MergedAxesLayout` where an entry
+    names several mesh axes, Keras's own otherwise."""
+    axes = tuple(axes)
+    if any(len(entry_axes(entry)) > 1 for entry in axes):
+        return MergedAxesLayout(axes, device_mesh)
+    axes = tuple(entry if entry is None or isinstance(entry, str) else entry_axes(entry)[0] for entry in axes)
+    return keras.distribution.TensorLayout(axes, device_mesh)
 
 
 def _divisors_up_to(n: int, limit: int) -> list[int]:

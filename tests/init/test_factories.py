@@ -153,7 +153,8 @@ def test_sharded_build_matches_layouts_and_unsharded_outputs(
     embedding = model.token_embedding.embeddings
     emb_axes = tuple(layout_map[embedding.path].axes)
     block = spec_lib.shard_shape(embedding.shape, emb_axes, mesh)
-    assert block == (128 // mesh_shape[1], 32 // mesh_shape[0])
+    # Split along the vocabulary over both axes (`family_rules.vocabulary_rules`).
+    assert block == (128 // 8, 32)
     born_by_path = {path: value for path, _, value in created}
     assert len(born_by_path) == len(created)  # each variable drawn once
     born = born_by_path[embedding.path]

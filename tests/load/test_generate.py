@@ -148,13 +148,17 @@ def test_memory_of_the_abstract_programs():
     assert ours[1] <= 0.25 * stock[1], figures
     # The whole f32 cache (B x layers x (k, v) x S x kv_heads x head_dim)
     # split 8 ways on both meshes (stock: 4x that on (2, 4), every batch
-    # row on every device). Temporaries on (2, 4) within 5% of (1, 8)'s
-    # (measured +1.8%): Llama's layout map puts the query heads on the batch
-    # axis too, and XLA computes the attention with them there (as many KV
-    # as query heads here; with grouped KV heads `plan.batch_axis` keeps
+    # row on every device). Temporaries on (2, 4) within 8% of (1, 8)'s
+    # (measured +7.2%; +1.8% before the vocabulary tables were split over
+    # both axes, whose lookup now sums every batch row's embeddings over the
+    # eight devices: in this tiny model that is a large part; at Llama-3-8B
+    # width, 2 layers, 8 x 1024, (2, 4) costs 1,260 MiB against (1, 8)'s
+    # 1,292). Llama's layout map puts the query heads on the batch axis
+    # too, and XLA computes the attention with them there (as many KV as
+    # query heads here; with grouped KV heads `plan.batch_axis` keeps
     # q / k / v on (batch, heads): tests/plan/test_batch_axis.py).
     assert ours[0] == ours_2x4[0] == batch * layers * 2 * length * 8 * 8 * 4 // 8, figures
-    assert ours_2x4[1] <= 1.05 * ours[1], figures
+    assert ours_2x4[1] <= 1.08 * ours[1], figures
 
 
 def test_bad_arguments_are_refused():

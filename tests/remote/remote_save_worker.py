@@ -17,6 +17,7 @@ the Hugging Face format to URL + "-hf" and to OUT_DIR/local_hf (the same
 job: each process starts Python, JAX and Keras once).
 """
 
+import itertools
 import json
 import os
 import pathlib
@@ -41,10 +42,11 @@ def main() -> None:
     from keras_hub_dist.storage import s3_writer
 
     uploaded = []
+    started = itertools.count()  # parts upload concurrently: count the calls
     real = s3_writer.S3Writer.upload_part
 
     def counting(self, name, upload_id, number, data):
-        if mode == "fail_part" and jax.process_index() == 1 and len(uploaded) == 1:
+        if mode == "fail_part" and jax.process_index() == 1 and next(started) == 1:
             raise keras_hub_dist.SaveError("injected by the test")
         token = real(self, name, upload_id, number, data)
         uploaded.append((name, number, memoryview(data).nbytes))
