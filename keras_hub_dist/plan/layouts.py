@@ -488,7 +488,8 @@ def get_layout_map(
                 wanted = special[rule].otherwise
                 reasons.append(
                     f"mesh axes {dict(sizes)} do not divide the vocabulary: the "
-                    "table keeps the vocabulary on the model axis only."
+                    "table keeps KerasHub's split (the vocabulary on the model "
+                    "axis, the hidden dimension on the data axis)."
                 )
         elif rule in special:
             # Experts first, else the expert FFN, else a LayoutError.

@@ -55,7 +55,10 @@ class MergedAxesLayout(keras.distribution.TensorLayout):
     are, which takes a tuple of names too. The package's maps use that for
     the vocabulary tables (`family_rules.vocabulary_rules`): split along the
     vocabulary over both axes of a `(batch, model)` mesh, as `(1, 8)` splits
-    them over its model axis.
+    them over its model axis. Keras 3.15 checks a layout's axes in
+    `TensorLayout._validate_axes`, which this overrides (its one reliance on
+    Keras's internals; every load and build with the package's maps goes
+    through it).
 
     Example:
 
