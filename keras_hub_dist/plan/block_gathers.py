@@ -55,7 +55,8 @@ import jax.numpy as jnp
 import keras
 
 __all__ = [
-    "assign_state", "calling", "gathered_again_in_backward", "read_after_the_input", "traced_once", "traced_variables",
+    "assign_state", "calling", "gathered_again_in_backward", "plus_zero", "read_after_the_input", "traced_once",
+    "traced_variables", "zero_after",
 ]
 
 
@@ -121,13 +122,13 @@ def gathered_again_in_backward(block: Any, call: Any, args: tuple, kwargs: dict)
         pullback, is_weight = saved
         cotangent = cotangents[0]  # the state's (integer seeds) is float0
         residuals, residual_tree = jax.tree_util.tree_flatten(pullback)
-        after = _zero_after(jax.tree_util.tree_leaves(cotangent)[0])
-        residuals = [_plus(r, after) if weight else r for r, weight in zip(residuals, is_weight)]
+        after = zero_after(jax.tree_util.tree_leaves(cotangent)[0])
+        residuals = [plus_zero(r, after) if weight else r for r, weight in zip(residuals, is_weight)]
         pulled = jax.tree_util.tree_unflatten(residual_tree, residuals)(cotangent)
         const_grads, grads, kept_grads, input_grad = pulled
         grads = [jax.lax.with_sharding_constraint(g, layout) for g, layout in zip(grads, layouts)]
         if grads:
-            input_grad = _plus(input_grad, sum(_zero_after(g) for g in grads))
+            input_grad = plus_zero(input_grad, sum(zero_after(g) for g in grads))
         return const_grads, grads, kept_grads, input_grad
 
     run.defvjp(forward, backward)
@@ -205,12 +206,13 @@ def assign_state(variables: list, state: dict) -> None:
         variables[i].assign(value)
 
 
-def _zero_after(x: Any) -> Any:
+def zero_after(x: Any) -> Any:
     """A float32 zero computed from `x`'s first element (0 where that is not
     finite too): XLA neither folds it nor lets it exist before `x`."""
     first = jnp.ravel(x)[0].astype(jnp.float32)
     return jnp.where(jnp.isfinite(first), first, 0.0) * 0.0
 
 
-def _plus(x: Any, zero: Any) -> Any:
+def plus_zero(x: Any, zero: Any) -> Any:
+    """`x + zero` (a `zero_after`) for a float `x`; any other `x` as it is."""
     return x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x

@@ -46,7 +46,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import keras
 import numpy as np
 
@@ -165,13 +164,12 @@ def _recomputed_after_cotangent(layer: Any, function: Any, values: list) -> Any:
         return evaluate(*inputs), inputs
 
     def backward(inputs, cotangents):
-        # `0 * cotangent[0]` of the output (XLA does not fold a float product
-        # with 0; the state's cotangents, integer seeds', are float0): every
-        # float input of the recomputation depends on the cotangent.
-        zero = jnp.ravel(jax.tree_util.tree_leaves(cotangents[0])[0])[0] * 0
-        inputs = jax.tree.map(
-            lambda v: v + zero.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, inputs
-        )
+        # A zero computed from the output's cotangent (the state's cotangents,
+        # integer seeds', are float0): every float input of the recomputation
+        # depends on it, and an inf or NaN there reaches no more than it would
+        # without remat.
+        zero = block_gathers.zero_after(jax.tree_util.tree_leaves(cotangents[0])[0])
+        inputs = jax.tree.map(lambda v: block_gathers.plus_zero(v, zero), inputs)
         return jax.vjp(lambda inputs: evaluate(*inputs)[0], inputs)[1](cotangents[0])
 
     run.defvjp(forward, backward)

@@ -18,7 +18,7 @@ from keras_hub_dist.jobs import programs
 from keras_hub_dist.jobs.abstract_job import abstract_job
 from keras_hub_dist.plan import block_gathers
 from keras_hub_dist.plan.build import build_without_values, remat_scope
-from keras_hub_dist.plan.remat import apply_remat
+from keras_hub_dist.plan.remat import apply_remat, checkpointed
 
 TINY_MISTRAL = dict(
     vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
@@ -176,3 +176,30 @@ def test_causal_lm_fit_with_remat_matches_without(mesh, tmp_path, monkeypatch):
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
     for a, b in zip(*weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_non_finite_cotangent_reaches_what_it_reaches_without_remat(clean_state):
+    """The recomputation's inputs depend on the output's cotangent through a
+    zero made from its first element; an inf there (a loss weighting a
+    position infinitely) must not make that zero NaN and every gradient
+    with it."""
+    with clean_state():
+        layer = keras.layers.Dense(4)
+        layer.build((2, 3))
+        rematerialized = checkpointed(layer, layer.call)
+        x = np.arange(1, 7, dtype="float32").reshape(2, 3)
+        weight = np.ones((2, 4), "float32")
+        weight[0, 0] = np.inf
+
+        def loss(kernel, bias, x, call):
+            with keras.StatelessScope(state_mapping=[(layer.kernel, kernel), (layer.bias, bias)]):
+                return jax.numpy.sum(call(x) * weight)
+
+        grads = [
+            jax.grad(loss, argnums=(0, 1, 2))(layer.kernel.value, layer.bias.value, x, call)
+            for call in (rematerialized, layer.call)
+        ]
+    for with_remat, without in zip(*grads):
+        np.testing.assert_array_equal(with_remat, without)  # inf where inf, the rest finite
+    kernel_grad = grads[0][0]
+    assert np.isinf(kernel_grad[:, 0]).all() and np.isfinite(kernel_grad[:, 1:]).all()
