@@ -303,13 +303,6 @@ def _base_rules(
     return axes_of, special, source
 
 
-def _divides(shape: tuple[int, ...], axes: Axes, sizes: Mapping[str, int]) -> bool:
-    """Whether `axes` split `shape` evenly."""
-    return all(
-        shape[dim] % math.prod(sizes[name] for name in specs.entry_axes(entry)) == 0
-        for dim, entry in enumerate(axes)
-    )
-
 
 def _fallback_axes(
     shape: tuple[int, ...], axes: Axes, sizes: Mapping[str, int]
@@ -484,7 +477,9 @@ def get_layout_map(
         wanted, reasons = requested, []
         if isinstance(special.get(rule), VocabularyTable):
             # Over both axes where they divide the vocabulary, else KerasHub's.
-            if not _divides(shape, requested, sizes):
+            try:
+                specs.validate_spec(path, shape, requested, sizes)
+            except LayoutError:
                 wanted = special[rule].otherwise
                 reasons.append(
                     f"mesh axes {dict(sizes)} do not divide the vocabulary: the "
