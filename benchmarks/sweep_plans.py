@@ -11,6 +11,7 @@ the sweep goes on. Exit status 1 when any plan failed.
     python benchmarks/sweep_plans.py                         # all, mesh 1x8, 2 layers
     python benchmarks/sweep_plans.py --mesh 2x4 --names gemma3_1b,qwen3_5_0.8b
     python benchmarks/sweep_plans.py --mesh 2x4 --jobs fit --vocabulary 1024  # without most of the vocabulary
+    python benchmarks/sweep_plans.py --mesh 2x4 --jobs generate --dtype float32  # no bf16 upcast (XLA:CPU)
 """
 
 from __future__ import annotations
@@ -57,11 +58,15 @@ def main() -> int:
         "--vocabulary", type=int, default=None,
         help="A vocabulary_size for every architecture instead of its own (what the embedding tables cost).",
     )
+    parser.add_argument(
+        "--dtype", default="bfloat16",
+        help="The models' dtype; float32 shows the programs without the f32 copies XLA:CPU makes of bf16 operands.",
+    )
     args = parser.parse_args()
     mesh = tuple(int(x) for x in args.mesh.split("x"))
     names = args.names.split(",") if args.names else distinct_names()
     print(f"jax {jax.__version__}, keras_hub_dist {keras_hub_dist.__version__}, {len(names)} architectures, "
-          f"mesh {args.mesh}, {args.layers} layers, bf16"
+          f"mesh {args.mesh}, {args.layers} layers, {args.dtype}"
           + ("" if args.vocabulary is None else f", vocabulary {args.vocabulary}"), flush=True)
     failed = 0
     for name in names:
@@ -73,7 +78,7 @@ def main() -> int:
                     warnings.simplefilter("ignore")
                     plan = keras_hub_dist.plan_memory(
                         name, mesh, job=job, batch_size=batch, sequence_length=seq,
-                        num_layers=args.layers, dtype="bfloat16", alternatives=False,
+                        num_layers=args.layers, dtype=args.dtype, alternatives=False,
                         overrides=None if args.vocabulary is None else {"vocabulary_size": args.vocabulary},
                     )
             except Exception as error:  # noqa: BLE001 - the sweep reports and goes on

@@ -221,7 +221,9 @@ def kv_cache_bytes(job: AbstractJob, batch_size: int, max_length: int) -> int | 
     """Per-device bytes of the stacked KV cache `[B, layers, 2, S, kv_heads,
     head_dim]` the supported causal LMs build, split as `shard_generate`
     constrains it: the batch over the data axis and the KV heads over the
-    model axis, each where it divides (`None` for another cache)."""
+    model axis, each where it divides; where the data axis is over 1 and
+    the whole mesh divides the KV heads, every batch row and the heads over
+    both axes (`plan/stationary_weights.py`). `None` for another cache."""
     task = job.task
     if not load_generate.supports_chunked_prompt(task):
         return None
@@ -229,7 +231,10 @@ def kv_cache_bytes(job: AbstractJob, batch_size: int, max_length: int) -> int | 
     heads = backbone.num_key_value_heads
     head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // backbone.num_query_heads
     data, model = (job.mesh_axis_sizes[axis] for axis in job.mesh_axis_sizes)
-    rows = batch_size // data if batch_size % data == 0 else batch_size
-    heads = heads // model if heads % model == 0 else heads
+    if data > 1 and heads % (data * model) == 0:
+        rows, heads = batch_size, heads // (data * model)
+    else:
+        rows = batch_size // data if batch_size % data == 0 else batch_size
+        heads = heads // model if heads % model == 0 else heads
     elements = rows * backbone.num_layers * 2 * max_length * heads * head_dim
     return elements * itemsize(keras.backend.standardize_dtype(task.compute_dtype))

@@ -49,6 +49,13 @@ Only traced calls whose output is one array are constrained (a call with a
 cache returns a tuple: `generate` lays its own out, `shard_generate`), only
 under a distribution whose data axis is over 1 and divides the batch.
 
+`generate` where the mesh divides the KV heads (`plan/stationary_weights.py`,
+set by `load/generate.py`): the block computes with its weights where they
+are stored, its batch whole and its heads over every mesh axis; the rules
+below that keep the batch on the data axis in `generate`, and the gathers
+of `plan/block_gathers.py`, are for the other models (fewer KV heads than
+devices: Qwen 2.5, Qwen 3 MoE, Gemma 2 2B, Gemma 3 / 4).
+
 Attention with grouped KV heads (fewer KV heads than query heads: Llama 3,
 Qwen 2.5 / 3, Mistral, Mixtral, gpt-oss). The Llama-convention maps put the
 q / k / v kernels' heads dimension on the data axis; in `generate` on
@@ -146,7 +153,7 @@ from typing import Any
 import jax
 import keras
 
-from keras_hub_dist.plan import block_gathers
+from keras_hub_dist.plan import block_gathers, stationary_weights
 
 __all__ = ["constrain_where_divisible", "keep_batch_split"]
 
@@ -158,15 +165,16 @@ def keep_batch_split(model: Any) -> None:
     stacked weights to their experts over both axes (Gemma 4's, where the
     mesh does not divide its experts, and in a fit step: its tokens to the
     data axis); each block's weights gathered when it runs
-    (`plan.block_gathers`).
+    (`plan.block_gathers`); in `generate` where the mesh divides the KV
+    heads, each projection's input (and the attention's output projection's
+    output) laid out as its kernel is stored and the attention's heads over
+    every mesh axis (`plan.stationary_weights`).
 
     Wraps the call of every block in `model`'s (or its backbone's)
-    `transformer_layers` (and with grouped KV heads of the layers named
-    `query`, `key`, `value`, `feedforward_gate_dense` and
-    `feedforward_intermediate_dense` inside them, and of the expert banks
-    named `moe_expert_bank` and `experts`); calling it again changes
-    nothing. A model without decoder
-    blocks is left as it is.
+    `transformer_layers`, of the `Dense` and `EinsumDense` layers and the
+    expert banks (`moe_expert_bank`, `experts`) inside them, and their
+    attention layers' `_compute_attention`; calling it again changes
+    nothing. A model without decoder blocks is left as it is.
     """
     backbone = getattr(model, "backbone", model)
     grouped = getattr(backbone, "num_key_value_heads", 0) < getattr(backbone, "num_query_heads", 0)
@@ -174,6 +182,9 @@ def keep_batch_split(model: Any) -> None:
         if not hasattr(block.call, "batch_unconstrained"):
             block.call = _block_call(block)
         for layer in block._flatten_layers(include_self=False, recursive=True):
+            attention = getattr(layer, "_compute_attention", None)
+            if callable(attention) and not hasattr(attention, "batch_unconstrained"):
+                layer._compute_attention = stationary_weights.attention_heads_over_the_mesh(attention, _mesh)
             if hasattr(layer.call, "batch_unconstrained"):
                 continue
             if layer.name in _TOKEN_SPLIT_EXPERTS:
@@ -182,9 +193,13 @@ def keep_batch_split(model: Any) -> None:
             elif layer.name in _STACKED_EXPERTS and hasattr(layer, "num_experts"):
                 layer.call = _experts_over_both_axes(layer, layer.call)
             elif grouped and layer.name in _PROJECTIONS:
-                layer.call = _wrapped(layer.call, output=_heads_on_model_axis)
+                layer.call = _wrapped(layer.call, inputs=_stationary_input(layer), output=_heads_on_model_axis)
             elif grouped and layer.name in _FEED_FORWARD_INPUTS:
-                layer.call = _wrapped(layer.call, inputs=_first_gathered_with_a_cache)
+                layer.call = _wrapped(layer.call, inputs=_stationary_input(layer, _first_gathered_with_a_cache))
+            elif isinstance(layer, keras.layers.EinsumDense) and layer.name == "attention_output":
+                layer.call = _wrapped(layer.call, inputs=_stationary_input(layer), output=_stationary_output(layer))
+            elif isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+                layer.call = _wrapped(layer.call, inputs=_stationary_input(layer))
 
 
 # The attention projections whose `[batch, tokens, heads, head_dim]` outputs
@@ -236,9 +251,14 @@ def _block_call(block: Any) -> Any:
     @functools.wraps(call)
     def constrained_call(*args: Any, **kwargs: Any) -> Any:
         with_a_cache = any(v is not None for k, v in kwargs.items() if k.endswith("cache"))
-        token = _WITH_A_CACHE.set(with_a_cache)
+        hidden = args[0] if args and getattr(args[0], "ndim", None) == 3 else None
+        # Set by `generate` (`load/generate.py`) where the mesh divides the
+        # KV heads: the block computes with its weights where they are.
+        axes = stationary_weights.HEADS_AXES.get() if with_a_cache else None
+        tokens = _WITH_A_CACHE.set(with_a_cache), stationary_weights.HEADS_AXES.set(axes)
         try:
-            hidden = args[0] if args and getattr(args[0], "ndim", None) == 3 else None
+            if axes is not None:
+                return call(*args, **kwargs)
             if with_a_cache and _traced_on_a_data_axis(hidden, (3,)):
                 output = block_gathers.read_after_the_input(block, call, args, kwargs)
             elif not with_a_cache and _batch_split_mesh(hidden, block):
@@ -246,11 +266,41 @@ def _block_call(block: Any) -> Any:
             else:  # no data axis, or XLA gathers the batch, not the weights
                 output = call(*args, **kwargs)
         finally:
-            _WITH_A_CACHE.reset(token)
+            _WITH_A_CACHE.reset(tokens[0])
+            stationary_weights.HEADS_AXES.reset(tokens[1])
         return _batch_on_data_axis(output, block)
 
     constrained_call.batch_unconstrained = call
     return constrained_call
+
+
+def _stationary_input(layer: Any, otherwise: Any = None) -> Any:
+    """An `inputs` for `_wrapped`: while a block computes with its weights
+    where they are stored (`stationary_weights.HEADS_AXES`), the first
+    argument laid out as `layer`'s kernel is; else `otherwise(args)`."""
+
+    def inputs(args: tuple) -> tuple:
+        if args and isinstance(args[0], jax.core.Tracer) and stationary_weights.HEADS_AXES.get() is not None:
+            return (stationary_weights.input_where_the_kernel_is(layer, args[0], _mesh()), *args[1:])
+        return args if otherwise is None else otherwise(args)
+
+    return inputs
+
+
+def _stationary_output(layer: Any) -> Any:
+    """An `output` for `_wrapped`: while a block computes with its weights
+    where they are stored, `layer`'s output laid out as its kernel is."""
+
+    def output(y: Any) -> Any:
+        if isinstance(y, jax.core.Tracer) and stationary_weights.HEADS_AXES.get() is not None:
+            return stationary_weights.output_where_the_kernel_is(layer, y, _mesh())
+        return y
+
+    return output
+
+
+def _mesh() -> Any:
+    return keras.distribution.distribution().device_mesh.backend_mesh
 
 
 def _first_gathered_with_a_cache(args: tuple) -> tuple:
@@ -270,7 +320,7 @@ def _tokens_on_data_axis(args: tuple) -> tuple:
 
     def constrained(x: Any) -> Any:
         found = _traced_on_a_2d_mesh(x, (2,))
-        if found is None:
+        if found is None or stationary_weights.HEADS_AXES.get() is not None:
             return x
         return constrain_where_divisible(x, found[0], {0: found[1]})
 
@@ -320,6 +370,9 @@ def constrain_where_divisible(x: Any, mesh: Any, dims: dict[int, str | None]) ->
 
 
 def _heads_on_model_axis(output: Any) -> Any:
+    axes = stationary_weights.HEADS_AXES.get()
+    if axes is not None and isinstance(output, jax.core.Tracer) and output.ndim == 4:
+        return stationary_weights.heads_over_the_mesh(output, _mesh(), axes)
     found = _traced_on_a_2d_mesh(output, (4,))
     if found is None:
         return output  # only on a (data, model) mesh with both axes over 1

@@ -105,10 +105,10 @@ def test_generate_plan_equals_the_real_generate(gemma_preset, mesh, stock):
     if stock:
         assert plan.kv_cache_bytes is None
     else:
-        # [8, 1 layer, 2, 16, 8 KV heads, 8] f32, batch over the data axis,
-        # heads over the model axis.
-        data, model = mesh
-        assert plan.kv_cache_bytes == 8 // data * 1 * 2 * 16 * (8 // model) * 8 * 4
+        # [8, 1 layer, 2, 16, 8 KV heads, 8] f32, an eighth per device: on
+        # (1, 8) the heads over the model axis; on (2, 4) and (8, 1) every
+        # batch row, the heads over both axes (plan/stationary_weights.py).
+        assert plan.kv_cache_bytes == 8 * 1 * 2 * 16 * 8 * 8 * 4 // 8
 
 
 def test_quantized_generate_plan_equals_the_real_generate(gemma_preset):

@@ -26,6 +26,11 @@ WIDE_LLAMA = dict(
     hidden_dim=256, intermediate_dim=512, dtype="float32",
 )
 BATCH, SEQ = 8, 256
+# KV heads that a mesh of 8 does not divide: `generate` keeps the batch on
+# the data axis and gathers each block's weights (where the mesh divides
+# them, it computes with the weights where they are stored:
+# tests/plan/test_stationary_weights.py).
+FEW_KV_HEADS = dict(WIDE_LLAMA, num_key_value_heads=4)
 
 
 def _unconstrained(task):
@@ -147,8 +152,8 @@ def test_generate_keeps_the_batch_and_the_heads_split(mesh, clean_state):
     temporaries). With grouped KV heads the projections' outputs keep the
     batch on the data axis and the heads on the model axis."""
     with clean_state():
-        kept, text = _generate_temps(abstract_job(keras_hub.models.LlamaBackbone, WIDE_LLAMA, mesh), 512)
-        job = abstract_job(keras_hub.models.LlamaBackbone, WIDE_LLAMA, mesh)
+        kept, text = _generate_temps(abstract_job(keras_hub.models.LlamaBackbone, FEW_KV_HEADS, mesh), 512)
+        job = abstract_job(keras_hub.models.LlamaBackbone, FEW_KV_HEADS, mesh)
         _unconstrained(job.task)
         gathered, stock_text = _generate_temps(job, 512)
     if mesh == (1, 8):
@@ -160,9 +165,11 @@ def test_generate_keeps_the_batch_and_the_heads_split(mesh, clean_state):
         # (Llama-3-8B width, 2 layers, 8 x 1024: 1,532 -> 1,404 MiB in all).
         gathered_inputs = re.findall(r"sharding_constraint %\d+ <@mesh, \[\{\}, \{\?\}, \{\?\}\]> : tensor<(\w+)>", text)
         assert set(gathered_inputs) == {"8x1x256xf32", "8x64x256xf32"}, gathered_inputs  # decode, prompt chunk
-        # 0.91x at this toy width; Llama-3-8B width, 2 layers, 8 x 1024:
-        # 1,504 -> 1,260 MiB in all (0.84x).
-        assert kept < 0.95 * gathered, (kept, gathered)
+        # 0.975x at this toy width with 4 KV heads (0.91x with 8, which now
+        # compute with the weights where they are); Llama-3-8B width, 2
+        # layers, 8 x 1024, when it had this layout: 1,504 -> 1,260 MiB in
+        # all (0.84x).
+        assert kept < 0.985 * gathered, (kept, gathered)
 
 
 def _entry_all_gathers(compiled_text):
@@ -186,7 +193,7 @@ def test_generate_gathers_each_blocks_weights_inside_its_loops(mesh, monkeypatch
     (2, 4), 32 layers, 8 x 1024: 8,081 MiB against (1, 8)'s 6,384). Each
     block's weights pass an optimization barrier with its input: the
     gathers stay in the loops."""
-    config = dict(WIDE_LLAMA, num_layers=4)
+    config = dict(FEW_KV_HEADS, num_layers=4)
     figures = {}
     for tied in (True, False):
         if not tied:
@@ -245,7 +252,7 @@ def test_a_fit_step_gathers_each_blocks_weights_again_in_its_backward_pass(mesh,
 
 
 def test_generate_gives_the_tokens_of_the_unconstrained_model(tmp_path, monkeypatch):
-    config = dict(WIDE_LLAMA, hidden_dim=64, intermediate_dim=128, dropout=0.5)
+    config = dict(FEW_KV_HEADS, hidden_dim=64, intermediate_dim=128, dropout=0.5)
     preset = keras_hub_dist.write_synthetic_preset(
         str(tmp_path / "llama"), keras_hub.models.LlamaBackbone, tokenizer=True, **config
     )
