@@ -258,7 +258,10 @@ def _block_call(block: Any) -> Any:
         tokens = _WITH_A_CACHE.set(with_a_cache), stationary_weights.HEADS_AXES.set(axes)
         try:
             if axes is not None:
-                return call(*args, **kwargs)
+                # Its weights stay where they are; what is computed from them
+                # (XLA:CPU's f32 copies, an expert bank's resharding) is
+                # computed when the block runs, not hoisted out of the loops.
+                return block_gathers.read_after_the_input(block, call, args, kwargs)
             if with_a_cache and _traced_on_a_data_axis(hidden, (3,)):
                 output = block_gathers.read_after_the_input(block, call, args, kwargs)
             elif not with_a_cache and _batch_split_mesh(hidden, block):

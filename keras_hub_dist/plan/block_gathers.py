@@ -8,7 +8,9 @@ gathered weights outlive the block:
 
 - `generate` runs every block in two loops, the prompt chunks and the
   decode steps, on the same weights (where the mesh divides the KV heads
-  it gathers none: `plan/stationary_weights.py`); XLA hoisted each gather, a loop
+  it gathers none, `plan/stationary_weights.py`, and the barrier below
+  keeps in the loops what XLA computes from them: XLA:CPU's f32 copies, an
+  expert bank's resharding); XLA hoisted each gather, a loop
   constant, out of both loops, so every block's gathered weights lived for
   the whole call. `read_after_the_input` passes a block's weights through
   an optimization barrier together with its input: each gather depends on

@@ -24,17 +24,26 @@ projection's model-axis layout and gathered the probabilities `[batch,
 heads / 4, chunk, length]` over the data axis), and the output
 projection's (otherwise its kernel was gathered over the data axis).
 
+Each block's weights are still read after its input
+(`block_gathers.read_after_the_input`), though none is gathered: what XLA
+computes from them (XLA:CPU's f32 copies of bf16 kernels, an expert bank's
+resharding, `plan/batch_axis.py`) then stays in the loops, one block at a
+time, instead of being hoisted out of them for every block at once
+(gpt-oss-20b width, 8 layers, bf16: 7,562 -> 7,255 MiB; (1, 8): 7,021).
+
 Measured (`plan_memory`, XLA:CPU, 8 simulated devices, `generate` 8 x 1024,
 total per device, (2, 4) weights gathered -> stationary, (1, 8)):
-Llama-3-8B width, 32 layers, bf16 7,253 -> 6,385 MiB (6,384); f32 6,647 ->
-4,839 (4,863); Gemma-7B width, 28 layers, bf16 11,766 -> 8,723 (8,722).
-XLA:CPU makes f32 copies of bf16 operands, which the f32 figures do not
-hold. More in BENCHMARKS.md. Not done: the feed-forward kernels keep their
-hidden dimension on the data axis, so a prompt chunk's gate and up
-projections hold `[batch, chunk, ffn / 4]` partial sums where (1, 8)
-holds `[batch, chunk, ffn / 8]` (Gemma-7B width, 2 layers, f32: 1,156
-against 920 MiB); storing the FFN dimension over both axes instead made
-some fits 2-16% worse (Mistral-7B, 2 layers, 8 x 512: 1,504 -> 1,753 MiB).
+Llama-3-8B width, 32 layers, bf16 7,253 -> 6,137 MiB (6,384), f32 6,647 ->
+4,839 (4,863); Gemma-7B width, 28 layers, bf16 11,766 -> 7,579 (8,722),
+f32 14,817 -> 6,924 (6,666). XLA:CPU makes f32 copies of bf16 operands,
+which the f32 figures do not hold. More in BENCHMARKS.md. Not done: the
+feed-forward kernels keep their hidden dimension on the data axis, so a
+prompt chunk's gate and up projections hold `[batch, chunk, ffn / 4]`
+partial sums where (1, 8) holds `[batch, chunk, ffn / 8]` (Gemma-7B width,
+whose FFN is 8x its hidden size, 2 layers, f32: 1,156 against 920 MiB);
+storing the FFN dimension over both axes instead brought that to (1, 8)'s
+but made fits worse (Mistral-7B, 2 layers, Adam 8 x 512: 1,504 -> 1,753
+MiB, (1, 8): 1,712; a Gemma fit at a small width 0.70x -> 1.04x stock's).
 
 `load/generate.py` decides (`heads_axes`) and lays the cache and the token
 ids out, for the causal LMs whose cache it knows (one stacked `[batch,
