@@ -22,7 +22,7 @@ instance, leaving the task's class, config and `generate` API as they are:
    the KV heads, the batch is whole instead and the cache's KV heads are
    split over every mesh axis: each block then computes with its weights
    where they are stored (`plan/stationary_weights.py`; Llama-3-8B width,
-   32 layers, 8 x 1024 on (2, 4): 7,253 -> 6,385 MiB per device, (1, 8):
+   32 layers, 8 x 1024 on (2, 4): 7,253 -> 6,137 MiB per device, (1, 8):
    6,384).
 
 `load_sharded_preset(..., task="causal_lm")` applies it by default

@@ -53,8 +53,9 @@ under a distribution whose data axis is over 1 and divides the batch.
 set by `load/generate.py`): the block computes with its weights where they
 are stored, its batch whole and its heads over every mesh axis; the rules
 below that keep the batch on the data axis in `generate`, and the gathers
-of `plan/block_gathers.py`, are for the other models (fewer KV heads than
-devices: Qwen 2.5, Qwen 3 MoE, Gemma 2 2B, Gemma 3 / 4).
+of `plan/block_gathers.py`, are for the other models (KV heads the mesh
+does not divide: Qwen 2.5, Qwen 3 MoE, Gemma 2B / 2 2B; another cache:
+Gemma 3 / 4, Qwen 3.5).
 
 Attention with grouped KV heads (fewer KV heads than query heads: Llama 3,
 Qwen 2.5 / 3, Mistral, Mixtral, gpt-oss). The Llama-convention maps put the
