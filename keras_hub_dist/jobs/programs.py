@@ -39,6 +39,7 @@ from keras_hub_dist.errors import PlanError
 from keras_hub_dist.jobs.abstract_job import AbstractJob, sharding_of
 from keras_hub_dist.load import generate as load_generate
 from keras_hub_dist.measure.memory import compiled_memory
+from keras_hub_dist.plan import stationary_weights
 from keras_hub_dist.plan.sizes import itemsize
 
 __all__ = [
@@ -230,8 +231,9 @@ def kv_cache_bytes(job: AbstractJob, batch_size: int, max_length: int) -> int | 
     backbone = task.backbone
     heads = backbone.num_key_value_heads
     head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // backbone.num_query_heads
-    data, model = (job.mesh_axis_sizes[axis] for axis in job.mesh_axis_sizes)
-    if data > 1 and heads % (data * model) == 0:
+    data_axis = next(iter(job.mesh_axis_sizes))
+    data, model = job.mesh_axis_sizes.values()
+    if stationary_weights.heads_axes(heads, job.mesh_axis_sizes, data_axis) is not None:
         rows, heads = batch_size, heads // (data * model)
     else:
         rows = batch_size // data if batch_size % data == 0 else batch_size

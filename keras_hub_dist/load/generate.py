@@ -367,11 +367,9 @@ def _stationary_axes(lm: Any, settings: _Settings) -> tuple[str, ...] | None:
 def _constrain_batch(lm: Any, settings: _Settings, x: Any) -> Any:
     """`x` with its batch on the data axis, or whole where `lm`'s blocks
     compute with their weights where they are stored."""
-    found = _mesh_axes(settings)
-    if found is None or _stationary_axes(lm, settings) is None or not isinstance(x, jax.core.Tracer):
+    if _stationary_axes(lm, settings) is None or not isinstance(x, jax.core.Tracer):
         return _constrain(x, settings, {0: _DATA})
-    spec = jax.sharding.PartitionSpec(None, *[jax.sharding.PartitionSpec.UNCONSTRAINED] * (x.ndim - 1))
-    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(found[0], spec))
+    return stationary_weights.batch_whole(x, _mesh_axes(settings)[0])
 
 
 def _constrain_cache(lm: Any, settings: _Settings, cache: Any) -> Any:

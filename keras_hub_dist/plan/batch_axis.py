@@ -258,12 +258,11 @@ def _block_call(block: Any) -> Any:
         axes = stationary_weights.HEADS_AXES.get() if with_a_cache else None
         tokens = _WITH_A_CACHE.set(with_a_cache), stationary_weights.HEADS_AXES.set(axes)
         try:
-            if axes is not None:
-                # Its weights stay where they are; what is computed from them
-                # (XLA:CPU's f32 copies, an expert bank's resharding) is
-                # computed when the block runs, not hoisted out of the loops.
-                return block_gathers.read_after_the_input(block, call, args, kwargs)
             if with_a_cache and _traced_on_a_data_axis(hidden, (3,)):
+                # Gathered or not (weight-stationary), what is computed from
+                # the weights (their gathers, XLA:CPU's f32 copies, an expert
+                # bank's resharding) is computed when the block runs, not
+                # hoisted out of the loops.
                 output = block_gathers.read_after_the_input(block, call, args, kwargs)
             elif not with_a_cache and _batch_split_mesh(hidden, block):
                 output = block_gathers.gathered_again_in_backward(block, call, args, kwargs)
@@ -314,8 +313,7 @@ def _first_gathered_with_a_cache(args: tuple) -> tuple:
     found = _traced_on_a_2d_mesh(args[0], (3,)) if args and _WITH_A_CACHE.get() else None
     if found is None:
         return args
-    spec = jax.sharding.PartitionSpec(None, *[jax.sharding.PartitionSpec.UNCONSTRAINED] * 2)
-    return (jax.lax.with_sharding_constraint(args[0], jax.sharding.NamedSharding(found[0], spec)), *args[1:])
+    return (stationary_weights.batch_whole(args[0], found[0]), *args[1:])
 
 
 def _tokens_on_data_axis(args: tuple) -> tuple:

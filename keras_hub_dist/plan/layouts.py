@@ -303,7 +303,6 @@ def _base_rules(
     return axes_of, special, source
 
 
-
 def _fallback_axes(
     shape: tuple[int, ...], axes: Axes, sizes: Mapping[str, int]
 ) -> Axes:

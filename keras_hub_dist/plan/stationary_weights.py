@@ -72,9 +72,12 @@ from typing import Any
 import jax
 import keras
 
+from keras_hub_dist.plan.mesh import axis_sizes
+
 __all__ = [
     "HEADS_AXES",
     "attention_heads_over_the_mesh",
+    "batch_whole",
     "heads_axes",
     "heads_over_the_mesh",
     "input_where_the_kernel_is",
@@ -90,9 +93,10 @@ HEADS_AXES: contextvars.ContextVar = contextvars.ContextVar("keras_hub_dist_head
 
 
 def heads_axes(kv_heads: int, mesh: Any, data: str | None, major: str | None = None) -> tuple[str, ...] | None:
-    """The mesh's axes, `major` first (default: the data axis), when its
-    data axis is over 1 and its size divides `kv_heads`; else None (the
-    batch stays on the data axis).
+    """The axes of `mesh` (a Keras, JAX or abstract mesh, or a mapping of
+    axis sizes), `major` first (default: the data axis), when its data axis
+    is over 1 and its size divides `kv_heads`; else None (the batch stays on
+    the data axis).
 
     `major` is the axis a block's key kernel splits its heads over
     (`kv_heads_axis`): a device's heads are then a part of those its
@@ -100,10 +104,11 @@ def heads_axes(kv_heads: int, mesh: Any, data: str | None, major: str | None = N
     onto them where they are (Gemma's kernels split heads on the model
     axis; the Llama convention's on the data axis).
     """
-    if data is None or mesh.shape.get(data, 1) == 1 or kv_heads % mesh.size:
+    sizes = axis_sizes(mesh)
+    if data is None or sizes.get(data, 1) == 1 or kv_heads % math.prod(sizes.values()):
         return None
-    first = major if major in mesh.axis_names else data
-    return (first, *[axis for axis in mesh.axis_names if axis != first])
+    first = major if major in sizes else data
+    return (first, *[axis for axis in sizes if axis != first])
 
 
 def kv_heads_axis(backbone: Any) -> str | None:
@@ -129,7 +134,7 @@ def kv_heads_axis(backbone: Any) -> str | None:
 def heads_over_the_mesh(x: Any, mesh: Any, axes: tuple[str, ...], heads_dim: int = 2) -> Any:
     """`x` (`[batch, ..., heads, ...]`) with its batch whole and its heads
     over `axes` where they divide them; every other dimension left to XLA."""
-    return _constrained(x, mesh, {heads_dim: axes})
+    return batch_whole(x, mesh, {heads_dim: axes})
 
 
 def input_where_the_kernel_is(layer: Any, x: Any, mesh: Any) -> Any:
@@ -139,12 +144,12 @@ def input_where_the_kernel_is(layer: Any, x: Any, mesh: Any) -> Any:
     (an ellipsis)."""
     kernel_axes = _kernel_axes(layer)
     if not isinstance(layer, keras.layers.EinsumDense):
-        return _constrained(x, mesh, {x.ndim - 1: kernel_axes[0]})
+        return batch_whole(x, mesh, {x.ndim - 1: kernel_axes[0]})
     operands, output = layer.equation.split("->")
     x_labels, kernel_labels = operands.split(",")
     if "." in layer.equation or len(x_labels) != x.ndim:
         return x
-    return _constrained(x, mesh, {
+    return batch_whole(x, mesh, {
         i: kernel_axes[kernel_labels.index(label)]
         for i, label in enumerate(x_labels)
         if i and label in kernel_labels and label not in output
@@ -166,7 +171,7 @@ def output_where_the_kernel_is(layer: Any, y: Any, mesh: Any) -> Any:
     if "." in layer.equation or len(output) != y.ndim:
         return y
     kernel_axes = _kernel_axes(layer)
-    return _constrained(y, mesh, {
+    return batch_whole(y, mesh, {
         i: kernel_axes[kernel_labels.index(label)] for i, label in enumerate(output) if i and label in kernel_labels
     })
 
@@ -176,12 +181,14 @@ def _kernel_axes(layer: Any) -> tuple:
     return tuple(keras.distribution.distribution().get_variable_layout(kernel).axes)
 
 
-def _constrained(x: Any, mesh: Any, dims: dict) -> Any:
-    """`x` with its batch (dimension 0) whole and each of `dims` (dimension
-    -> a layout entry) there where the entry's axes divide it."""
+def batch_whole(x: Any, mesh: Any, dims: dict | None = None) -> Any:
+    """`x` with its batch (dimension 0) whole on every device and each of
+    `dims` (dimension -> a layout entry: an axis name or a tuple of them)
+    there where the entry's axes divide it; every other dimension left to
+    XLA."""
     spec = [jax.sharding.PartitionSpec.UNCONSTRAINED] * x.ndim
     spec[0] = None
-    for dim, entry in dims.items():
+    for dim, entry in (dims or {}).items():
         names = (entry,) if isinstance(entry, str) else tuple(entry or ())
         if names and x.shape[dim] % math.prod(mesh.shape[a] for a in names) == 0:
             spec[dim] = entry
