@@ -28,6 +28,7 @@ programs.program_memory(lowered.compile())  # {'argument_bytes': ..., 'temp_byte
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -222,20 +223,26 @@ def kv_cache_bytes(job: AbstractJob, batch_size: int, max_length: int) -> int | 
     """Per-device bytes of the stacked KV cache `[B, layers, 2, S, kv_heads,
     head_dim]` the supported causal LMs build, split as `shard_generate`
     constrains it: the batch over the data axis and the KV heads over the
-    model axis, each where it divides; where the data axis is over 1 and
-    the whole mesh divides the KV heads, every batch row and the heads over
-    both axes (`plan/stationary_weights.py`). `None` for another cache."""
+    model axis, each where it divides; where the data axis is over 1 and a
+    mesh axis divides the KV heads, the heads over the axes that divide
+    them and the batch over the others (`plan/stationary_weights.py`).
+    `None` for another cache."""
     task = job.task
     if not load_generate.supports_chunked_prompt(task):
         return None
     backbone = task.backbone
     heads = backbone.num_key_value_heads
     head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // backbone.num_query_heads
-    data_axis = next(iter(job.mesh_axis_sizes))
-    data, model = job.mesh_axis_sizes.values()
-    if stationary_weights.heads_axes(heads, job.mesh_axis_sizes, data_axis) is not None:
-        rows, heads = batch_size, heads // (data * model)
+    sizes = job.mesh_axis_sizes
+    data_axis = next(iter(sizes))
+    with job.scope():
+        major = stationary_weights.kv_heads_axis(backbone)
+    split = stationary_weights.heads_axes(heads, sizes, data_axis, major=major, batch_size=batch_size)
+    if split is not None:
+        rows = batch_size // math.prod(sizes[a] for a in split.batch)
+        heads //= math.prod(sizes[a] for a in split.heads)
     else:
+        data, model = sizes.values()
         rows = batch_size // data if batch_size % data == 0 else batch_size
         heads = heads // model if heads % model == 0 else heads
     elements = rows * backbone.num_layers * 2 * max_length * heads * head_dim

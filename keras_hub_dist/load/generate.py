@@ -18,12 +18,12 @@ instance, leaving the task's class, config and `generate` API as they are:
    ids, padding mask, KV cache and hidden states on the distribution's data
    axis (where it divides the batch) and the cache's KV-heads dimension on
    the model axis (where it divides the heads); every other dimension is
-   left to XLA. Where the data axis is over 1 and the whole mesh divides
-   the KV heads, the batch is whole instead and the cache's KV heads are
-   split over every mesh axis: each block then computes with its weights
-   where they are stored (`plan/stationary_weights.py`; Llama-3-8B width,
-   32 layers, 8 x 1024 on (2, 4): 7,253 -> 6,137 MiB per device, (1, 8):
-   6,384).
+   left to XLA. Where the data axis is over 1 and a mesh axis divides the
+   KV heads, the batch is whole instead and the cache's KV heads are split
+   over the axes that divide them (its batch over the others): each block
+   then computes with its weights where they are stored
+   (`plan/stationary_weights.py`; Llama-3-8B width, 32 layers, 8 x 1024 on
+   (2, 4): 7,253 -> 6,137 MiB per device, (1, 8): 6,384).
 
 `load_sharded_preset(..., task="causal_lm")` applies it by default
 (`prompt_chunk=512`). Measured with XLA's compiled memory analysis
@@ -353,21 +353,22 @@ def _constrain(x: Any, settings: _Settings, dims: dict[int, str | None]) -> Any:
     )
 
 
-def _stationary_axes(lm: Any, settings: _Settings) -> tuple[str, ...] | None:
-    """The mesh axes `lm`'s blocks split their heads over while computing
-    with their weights where they are stored (`plan/stationary_weights.py`;
-    the batch then whole), or None."""
+def _stationary_axes(lm: Any, settings: _Settings, batch_size: int) -> stationary_weights.Split | None:
+    """How `lm`'s blocks split their attention (`batch_size` rows) while
+    computing with their weights where they are stored
+    (`plan/stationary_weights.py`), or None."""
     found = _mesh_axes(settings)
     heads = getattr(lm.backbone, "num_key_value_heads", None)
     if found is None or not isinstance(heads, int) or not supports_chunked_prompt(lm):
         return None
-    return stationary_weights.heads_axes(heads, *found, major=stationary_weights.kv_heads_axis(lm.backbone))
+    major = stationary_weights.kv_heads_axis(lm.backbone)
+    return stationary_weights.heads_axes(heads, *found, major=major, batch_size=batch_size)
 
 
 def _constrain_batch(lm: Any, settings: _Settings, x: Any) -> Any:
     """`x` with its batch on the data axis, or whole where `lm`'s blocks
     compute with their weights where they are stored."""
-    if _stationary_axes(lm, settings) is None or not isinstance(x, jax.core.Tracer):
+    if not isinstance(x, jax.core.Tracer) or _stationary_axes(lm, settings, x.shape[0]) is None:
         return _constrain(x, settings, {0: _DATA})
     return stationary_weights.batch_whole(x, _mesh_axes(settings)[0])
 
@@ -378,12 +379,12 @@ def _constrain_cache(lm: Any, settings: _Settings, cache: Any) -> Any:
     dims = {0: _DATA}
     heads = getattr(lm.backbone, "num_key_value_heads", None)
     if cache.ndim == 6 and cache.shape[2] == 2 and cache.shape[4] == heads:  # [B, layers, 2, S, kv_heads, head_dim]
-        axes = _stationary_axes(lm, settings)
-        if axes is not None and isinstance(cache, jax.core.Tracer):
+        split = _stationary_axes(lm, settings, cache.shape[0])
+        if split is not None and isinstance(cache, jax.core.Tracer):
             # Each block computes with its weights where they are stored
             # (`plan/stationary_weights.py`): every batch row, its share of
             # the KV heads.
-            return stationary_weights.heads_over_the_mesh(cache, _mesh_axes(settings)[0], axes, heads_dim=4)
+            return stationary_weights.heads_over_the_mesh(cache, _mesh_axes(settings)[0], split, heads_dim=4)
         dims[4] = settings.model_axis
     return _constrain(cache, settings, dims)
 
@@ -392,7 +393,7 @@ def _call_with_cache(lm: Any, settings: _Settings, token_ids: Any, cache: Any, *
     token_ids = _constrain_batch(lm, settings, token_ids)
     cache = _constrain_cache(lm, settings, cache)
     # The blocks' wrappers (`plan/batch_axis.py`) read it while they trace.
-    token = stationary_weights.HEADS_AXES.set(_stationary_axes(lm, settings))
+    token = stationary_weights.HEADS_AXES.set(_stationary_axes(lm, settings, token_ids.shape[0]))
     try:
         logits, hidden_states, cache = type(lm).call_with_cache(lm, token_ids, cache, *args, **kwargs)
     finally:

@@ -1,7 +1,6 @@
 """The batch on the batch axis between decoder blocks, in attention and in
-Gemma 4's expert bank, the feed-forward's input whole in `generate`,
-stacked expert banks computed with their experts over both mesh axes in
-`generate`, and each block's weights gathered when it runs.
+Gemma 4's expert bank, the feed-forward's input whole in `generate`, and
+each block's weights gathered when it runs.
 
 Under `keras.distribution.ModelParallel`, Keras splits a batch over the
 mesh's data axis, and the package's maps (like KerasHub's) also split every
@@ -49,13 +48,13 @@ Only traced calls whose output is one array are constrained (a call with a
 cache returns a tuple: `generate` lays its own out, `shard_generate`), only
 under a distribution whose data axis is over 1 and divides the batch.
 
-`generate` where the mesh divides the KV heads (`plan/stationary_weights.py`,
-set by `load/generate.py`): the block computes with its weights where they
-are stored, its batch whole and its heads over every mesh axis; the rules
+`generate` where a mesh axis divides the KV heads
+(`plan/stationary_weights.py`, set by `load/generate.py`): the block
+computes with its weights where they are stored, the heads over the axes
+that divide them and the batch whole outside the attention; the rules
 below that keep the batch on the data axis in `generate`, and the gathers
-of `plan/block_gathers.py`, are for the other models (KV heads the mesh
-does not divide: Qwen 2.5, Qwen 3 MoE, Gemma 2B / 2 2B; another cache:
-Gemma 3 / 4, Qwen 3.5).
+of `plan/block_gathers.py`, are for the other models (one KV head: Gemma
+2B; another cache: Gemma 3 / 4, Qwen 3.5).
 
 Attention with grouped KV heads (fewer KV heads than query heads: Llama 3,
 Qwen 2.5 / 3, Mistral, Mixtral, gpt-oss). The Llama-convention maps put the
@@ -90,43 +89,18 @@ MiB): not applied there.
 
 Gemma 4's expert bank computes every expert on the flattened tokens
 `[tokens, hidden]` with routing weights `[tokens, experts]`; on (2, 4) XLA
-gathered the tokens and held `[experts / 4, ffn, all tokens]`. It computes
-with its experts over both axes (below) where the mesh divides them; where
-it does not, both inputs keep the tokens on the data axis. Gemma 4 26B-A4B
-width, 2 layers, total per device, before -> tokens on the data axis ->
-experts over both axes ((1, 8)): generate 8 x 1024 5,256 -> 4,601 -> 3,303
-MiB (3,242); Adam fit 8 x 512 11,778 -> 10,814 -> 10,592 MiB (9,792).
-Since the vocabulary tables are split over both axes
-(`family_rules.vocabulary_rules`) that fit step costs 9,703 MiB with or
-without its tokens kept on the data axis.
-
-Stacked expert banks (Qwen 3 MoE, Qwen 3.5 MoE, Qwen MoE, gpt-oss, Gemma 4:
-every expert run on every token, `[experts, ...]` weights). The maps store
-a bank with its experts over the model axis and its hidden dimension over
-the data axis (a Keras layout takes one mesh axis per dimension); with the
-tokens split over the data axis, XLA gathered each bank over that axis, a
-quarter of the experts whole on every device of (2, 4) where (1, 8) holds
-an eighth. On a mesh with both axes over 1, where the data axis is on a
-bank's hidden dimension, the bank computes with its stacked weights split
-along the experts over both axes (data-major): XLA reshards them (an all-
-to-all of each device's own share) and computes as (1, 8) does. Measured
-(`plan_memory`, 2 layers, total per device on (2, 4), before -> after,
-(1, 8)): Qwen-3-30B-A3B width generate 8 x 1024 2,531 -> 1,955 MiB (1,931),
-Adam fit 8 x 512 6,544 -> 5,968 (5,334); gpt-oss-20b generate 3,558 ->
-2,633 (2,559), fit 8,417 -> 7,680 (6,971); more in BENCHMARKS.md. Mixtral's
-banks keep the data axis on their FFN dimension, where XLA computes without
-gathering them; there it made both jobs worse (fit 6,444 -> 6,591, generate
-3,028 -> 3,052 MiB), so it is not applied.
+gathered the tokens and held `[experts / 4, ffn, all tokens]`. Both inputs
+keep the tokens on the data axis. Gemma 4 26B-A4B width, 2 layers, total
+per device, before -> tokens on the data axis ((1, 8)): generate 8 x 1024
+5,256 -> 4,601 MiB (3,242); Adam fit 8 x 512 11,778 -> 10,814 MiB (9,792).
+The expert banks are stored with their experts over both axes since
+(`plan.family_rules`: generate 2,550, fit 9,451 MiB).
 
 Each block's weights gathered when it runs (`plan/block_gathers.py`): in
 `generate` a block reads its weights after its input, so their gathers
 stay inside the prompt and decode loops; in a fit step, where the batch
 is kept split, a block's backward pass gathers its weights again and
-reduces its gradients itself. With that, the stacked expert banks compute
-over both axes in `generate` only: in a fit step it cost more (Qwen-3-
-30B-A3B width, 2 layers, 8 x 512: 5,482 -> 5,930 MiB; gpt-oss-20b 7,441
--> 7,630; Gemma 4 26B-A4B, against its tokens on the data axis, 10,438 ->
-10,946).
+reduces its gradients itself.
 
 Example:
 
@@ -162,18 +136,17 @@ __all__ = ["constrain_where_divisible", "keep_batch_split"]
 def keep_batch_split(model: Any) -> None:
     """Constrains each decoder block's output batch to the data axis, and
     with grouped KV heads the q / k / v projections' batch and heads, and in
-    `generate` the feed-forward's input batch to every device; expert banks'
-    stacked weights to their experts over both axes (Gemma 4's, where the
-    mesh does not divide its experts, and in a fit step: its tokens to the
-    data axis); each block's weights gathered when it runs
-    (`plan.block_gathers`); in `generate` where the mesh divides the KV
-    heads, each projection's input (and the attention's output projection's
-    output) laid out as its kernel is stored and the attention's heads over
-    every mesh axis (`plan.stationary_weights`).
+    `generate` the feed-forward's input batch to every device; Gemma 4's
+    expert bank's tokens to the data axis; each block's weights gathered
+    when it runs (`plan.block_gathers`); in `generate` where a mesh axis
+    divides the KV heads, each projection's input (and the attention's
+    output projection's output) laid out as its kernel is stored and the
+    attention's heads (and batch) over the mesh axes
+    (`plan.stationary_weights`).
 
     Wraps the call of every block in `model`'s (or its backbone's)
-    `transformer_layers`, of the `Dense` and `EinsumDense` layers and the
-    expert banks (`moe_expert_bank`, `experts`) inside them, and their
+    `transformer_layers`, of the `Dense` and `EinsumDense` layers and
+    Gemma 4's expert bank (`moe_expert_bank`) inside them, and their
     attention layers' `_compute_attention`; calling it again changes
     nothing. A model without decoder blocks is left as it is.
     """
@@ -189,10 +162,7 @@ def keep_batch_split(model: Any) -> None:
             if hasattr(layer.call, "batch_unconstrained"):
                 continue
             if layer.name in _TOKEN_SPLIT_EXPERTS:
-                otherwise = _wrapped(layer.call, inputs=_tokens_on_data_axis)
-                layer.call = _experts_over_both_axes(layer, otherwise)
-            elif layer.name in _STACKED_EXPERTS and hasattr(layer, "num_experts"):
-                layer.call = _experts_over_both_axes(layer, layer.call)
+                layer.call = _wrapped(layer.call, inputs=_tokens_on_data_axis)
             elif grouped and layer.name in _PROJECTIONS:
                 layer.call = _wrapped(layer.call, inputs=_stationary_input(layer), output=_heads_on_model_axis)
             elif grouped and layer.name in _FEED_FORWARD_INPUTS:
@@ -212,15 +182,9 @@ _PROJECTIONS = ("query", "key", "value")
 _FEED_FORWARD_INPUTS = ("feedforward_gate_dense", "feedforward_intermediate_dense")
 
 # Expert banks called on flattened tokens `[tokens, hidden]` with their
-# routing weights `[tokens, experts]` (Gemma 4's): computed with the experts
-# over both mesh axes, or where the mesh does not divide them, both inputs
-# keeping the tokens on the data axis.
+# routing weights `[tokens, experts]` (Gemma 4's): both inputs keep the
+# tokens on the data axis.
 _TOKEN_SPLIT_EXPERTS = ("moe_expert_bank",)
-
-# Expert banks with `[experts, ...]` weights, called on flattened tokens
-# `[tokens, hidden]` (KerasHub's Qwen MoE families' and gpt-oss's): computed
-# with the experts over both mesh axes.
-_STACKED_EXPERTS = ("experts",)
 
 # On a mesh that is all data axis, the batch is kept split only when a
 # block's output holds at least this fraction of its parameter count.
@@ -260,9 +224,8 @@ def _block_call(block: Any) -> Any:
         try:
             if with_a_cache and _traced_on_a_data_axis(hidden, (3,)):
                 # Gathered or not (weight-stationary), what is computed from
-                # the weights (their gathers, XLA:CPU's f32 copies, an expert
-                # bank's resharding) is computed when the block runs, not
-                # hoisted out of the loops.
+                # the weights (their gathers, XLA:CPU's f32 copies) is
+                # computed when the block runs, not hoisted out of the loops.
                 output = block_gathers.read_after_the_input(block, call, args, kwargs)
             elif not with_a_cache and _batch_split_mesh(hidden, block):
                 output = block_gathers.gathered_again_in_backward(block, call, args, kwargs)
@@ -372,9 +335,9 @@ def constrain_where_divisible(x: Any, mesh: Any, dims: dict[int, str | None]) ->
 
 
 def _heads_on_model_axis(output: Any) -> Any:
-    axes = stationary_weights.HEADS_AXES.get()
-    if axes is not None and isinstance(output, jax.core.Tracer) and output.ndim == 4:
-        return stationary_weights.heads_over_the_mesh(output, _mesh(), axes)
+    split = stationary_weights.HEADS_AXES.get()
+    if split is not None and isinstance(output, jax.core.Tracer) and output.ndim == 4:
+        return stationary_weights.heads_over_the_mesh(output, _mesh(), split)
     found = _traced_on_a_2d_mesh(output, (4,))
     if found is None:
         return output  # only on a (data, model) mesh with both axes over 1
@@ -406,48 +369,6 @@ def _traced_on_a_data_axis(x: Any, ndim: Any) -> tuple[Any, str] | None:
     distribution whose data axis is over 1; else None."""
     found = _traced_on_a_mesh(x, ndim)
     return found if found is not None and found[0].shape.get(found[1], 1) > 1 else None
-
-
-def _experts_over_both_axes(bank: Any, otherwise: Any) -> Any:
-    """`bank.call` computing in `generate`, on a (data, model) mesh with both
-    axes over 1, with its `[experts, ...]` weights split along the experts
-    over both axes, where its layouts put the data axis on the hidden
-    dimension and the mesh divides the experts (see the module doc);
-    elsewhere `otherwise`, a call of the bank."""
-    call = bank.call
-
-    @functools.wraps(call)
-    def constrained_call(*args: Any, **kwargs: Any) -> Any:
-        found = _traced_on_a_2d_mesh(args[0], (2,)) if args and _WITH_A_CACHE.get() else None
-        if found is None or bank.num_experts % found[0].size or not _gathered_over_data(bank, found[1]):
-            return otherwise(*args, **kwargs)
-        mesh, data, model = found
-        traced = block_gathers.traced_variables(bank)
-        if traced is None:
-            return otherwise(*args, **kwargs)  # not a traced step's values
-        variables, values = traced
-        for i, value in enumerate(values):
-            if value.ndim >= 2 and value.shape[0] == bank.num_experts:
-                spec = jax.sharding.PartitionSpec((data, model), *[None] * (value.ndim - 1))
-                values[i] = jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(mesh, spec))
-        return block_gathers.calling(variables, values, call, *args, **kwargs)
-
-    constrained_call.batch_unconstrained = call
-    return constrained_call
-
-
-def _gathered_over_data(bank: Any, data: str) -> bool:
-    """Whether a stacked weight of `bank` has the data axis on a dimension
-    of the hidden size (what XLA gathers to compute split tokens)."""
-    distribution = keras.distribution.distribution()
-    for variable in bank.weights:
-        shape = tuple(variable.shape)
-        if len(shape) < 3 or shape[0] != bank.num_experts:
-            continue
-        axes = tuple(distribution.get_variable_layout(variable).axes)
-        if any(axis == data and size == bank.hidden_dim for axis, size in zip(axes, shape)):
-            return True
-    return False
 
 
 def _parameter_count(block: Any) -> int:

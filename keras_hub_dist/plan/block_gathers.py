@@ -9,8 +9,8 @@ gathered weights outlive the block:
 - `generate` runs every block in two loops, the prompt chunks and the
   decode steps, on the same weights (where the mesh divides the KV heads
   it gathers none, `plan/stationary_weights.py`, and the barrier below
-  keeps in the loops what XLA computes from them: XLA:CPU's f32 copies, an
-  expert bank's resharding); XLA hoisted each gather, a loop
+  keeps in the loops what XLA computes from them: XLA:CPU's f32 copies);
+  XLA hoisted each gather, a loop
   constant, out of both loops, so every block's gathered weights lived for
   the whole call. `read_after_the_input` passes a block's weights through
   an optimization barrier together with its input: each gather depends on
@@ -28,7 +28,8 @@ gathered weights outlive the block:
 
 A block's call reads its variables from a scope of their own (`calling`):
 its weights and its seed generators' state, which it hands back advanced
-(dropout draws new masks each step). The fit step's block is traced once,
+(dropout draws new masks each step), and the losses it adds (an MoE
+block's load-balancing loss), which it hands to the step's scope. The fit step's block is traced once,
 in its Keras call context, and its `jax.custom_vjp` evaluates that program
 (`traced_once`): rules traced later, outside the context, ran the block
 with `training` unset, dropout off.
@@ -58,8 +59,8 @@ import jax.numpy as jnp
 import keras
 
 __all__ = [
-    "assign_state", "calling", "gathered_again_in_backward", "plus_zero", "read_after_the_input", "traced_once",
-    "traced_variables", "zero_after",
+    "add_losses", "assign_state", "calling", "gathered_again_in_backward", "keeping_losses", "plus_zero",
+    "read_after_the_input", "traced_once", "traced_variables", "zero_after",
 ]
 
 
@@ -108,8 +109,10 @@ def gathered_again_in_backward(block: Any, call: Any, args: tuple, kwargs: dict)
         return calling(variables, mapped, call, inputs, *args[1:], returning_state=True, **kwargs)
 
     trained, kept = [values[i] for i in trainable], [values[i] for i in frozen]
-    # The other arguments' arrays (masks, positions) are among `consts`.
-    evaluate, consts = traced_once(block_of, trained, kept, args[0])
+    # The other arguments' arrays (masks, positions) are among `consts`;
+    # what the call adds with `add_loss` is an output, differentiated too.
+    added = []
+    evaluate, consts = traced_once(keeping_losses(block_of, added), trained, kept, args[0])
 
     @jax.custom_vjp
     def run(consts, trained, kept, inputs):
@@ -135,9 +138,23 @@ def gathered_again_in_backward(block: Any, call: Any, args: tuple, kwargs: dict)
         return const_grads, grads, kept_grads, input_grad
 
     run.defvjp(forward, backward)
-    output, state = run(consts, trained, kept, args[0])
+    (output, losses), state = run(consts, trained, kept, args[0])
     assign_state(variables, state)
+    add_losses(block, losses, added)
     return output
+
+
+def keeping_losses(function: Any, added: list) -> Any:
+    """`function` (returning `calling`'s `((output, losses), state)`) that
+    also keeps, in `added`, the losses it returned as traced: what
+    `add_losses` makes the layers inside forget."""
+
+    def keeping(*args: Any) -> Any:
+        (output, losses), state = function(*args)
+        added.extend(losses)
+        return (output, losses), state
+
+    return keeping
 
 
 def traced_once(function: Any, *args: Any) -> tuple[Any, list]:
@@ -178,17 +195,26 @@ def traced_variables(layer: Any) -> tuple[list, list] | None:
     return variables, values
 
 
-def calling(variables: list, values: list, call: Any, *args: Any, returning_state: bool = False, **kwargs: Any) -> Any:
+def calling(
+    variables: list, values: list, call: Any, *args: Any, returning_state: bool = False, owner: Any = None,
+    **kwargs: Any,
+) -> Any:
     """`call(*args, **kwargs)` with `variables` reading `values`: every
     variable the call reads must be among them, for one the scope leaves
     out reads its initializer, not the step's value. What it assigns
-    (dropout's seeds) is assigned in the caller's scope, or with
-    `returning_state=True` returned with the output, `(output, {index in
-    variables: value})`, for `assign_state` outside a `jax.custom_vjp`.
+    (dropout's seeds) is assigned in the caller's scope, and what it adds
+    with `add_loss` (an MoE block's load-balancing loss in a train step) is
+    added there by `owner` (a layer); or with `returning_state=True` both
+    are returned, `((output, losses), {index in variables: value})`, for
+    `assign_state` and `add_losses` outside a `jax.custom_vjp`. (A scope of
+    its own that did not collect the losses dropped them: a Qwen 3 MoE
+    train step on (2, 4) left out its load-balancing loss.)
 
-    Example: `calling(*traced_variables(layer), layer.call, x)`.
+    Example: `calling(*traced_variables(layer), layer.call, x, owner=layer)`.
     """
-    with keras.StatelessScope(state_mapping=list(zip(variables, values)), initialize_variables=False) as scope:
+    with keras.StatelessScope(
+        state_mapping=list(zip(variables, values)), initialize_variables=False, collect_losses=True
+    ) as scope:
         read = [scope.get_current_value(variable) for variable in variables]
         output = call(*args, **kwargs)
     state = {}
@@ -196,10 +222,26 @@ def calling(variables: list, values: list, call: Any, *args: Any, returning_stat
         current = scope.get_current_value(variable)
         if current is not value:
             state[i] = current
+    losses = list(scope.losses)
     if returning_state:
-        return output, state
+        return (output, losses), state
     assign_state(variables, state)
+    add_losses(owner, losses, losses)
     return output
+
+
+def add_losses(layer: Any, losses: list, added: list) -> None:
+    """Adds `losses` (the values, in the caller's scope, of what a call of
+    `layer` added in a scope of its own: `added`) to the caller's scope as
+    `layer`'s. The layers inside forget `added`: Keras attributes a loss to
+    a layer by its id, and a freed tracer's id may be a later loss's."""
+    if not added:
+        return
+    forgotten = {id(loss) for loss in added}
+    for sublayer in layer._flatten_layers(include_self=True, recursive=True):
+        sublayer._loss_ids.difference_update(forgotten)
+    for loss in losses:
+        layer.add_loss(loss)
 
 
 def assign_state(variables: list, state: dict) -> None:

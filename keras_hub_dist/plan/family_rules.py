@@ -34,7 +34,7 @@ residual stream"). Per family:
   input, as Megatron-style tensor parallelism does).
 - Mixtral (`mixtral`), gpt-oss (`gpt_oss`): Llama's attention rules, the
   router along the hidden dimension, the expert banks (and gpt-oss's
-  per-expert biases) along the expert axis. gpt-oss's attention sinks and
+  per-expert biases) along the expert axis (below). gpt-oss's attention sinks and
   q/k/v biases are per-head vectors and stay replicated.
 - Qwen 3 MoE (`qwen3_moe`): KerasHub's map, which covers attention, the
   embeddings and (through its `feedforward_gate_dense` key) the router, but
@@ -106,25 +106,39 @@ Experts. KerasHub's MoE layers (Mixtral, Qwen 3 / 3.5 MoE, gpt-oss, Gemma 4)
 run every expert on every token as batched einsums over stacked weights
 (`"th,ehm->etm"`, then `"eti,eih->eth"`) and sum the router-weighted outputs
 over the expert axis. An expert bank is therefore split along the expert
-axis: each device runs its own experts' gate, up and down matmuls on every
-token (tokens are replicated over the model axis) with no communication,
-and the weighted sum over experts becomes one all-reduce of the `(tokens,
-hidden)` output, exactly like a tensor-parallel dense FFN. No token
-all-to-all is needed, because KerasHub does not dispatch tokens; the fused
-gate/up kernels of Qwen and gpt-oss (`2 * ffn` wide, split in halves or
-interleaved inside each expert) stay whole on their device. The data axis
-goes on the hidden dimension, except for Mixtral's separate gate / up
-kernels, where the expert-FFN dimension took a fit and generate on (2, 4)
-to within 1.03x (1, 8)'s (docs/layouts.md; fused banks got worse with it).
-When the model axis does not divide the expert count (Mixtral's 8 experts on
-16 devices) the bank moves to the expert-FFN (intermediate) dimension: each
-device then holds a slice of every expert, the gate/up/down matmuls stay
-local per slice and the down projection's partial sums need the same single
-all-reduce, as in Megatron-style dense tensor parallelism (a fused gate/up
-kernel is then split across its gate/up halves, which XLA reshuffles). This
-is a `LayoutFallback` with a warning. When the model axis divides neither,
-`expert_axes` raises a `LayoutError` naming the variable and the numbers:
-replicating an expert bank would put most of the model on every device.
+axis, over both mesh axes (data-major, a `specs.MergedAxesLayout` as the
+vocabulary tables'), every other dimension whole: each device runs its own
+experts' gate, up and down matmuls on every token with no communication
+but the tokens' gather over the data axis, and the weighted sum over
+experts becomes one reduction of the `(tokens, hidden)` output, exactly
+like a tensor-parallel dense FFN. No token all-to-all is needed, because
+KerasHub does not dispatch tokens; the fused gate/up kernels of Qwen and
+gpt-oss (`2 * ffn` wide, split in halves or interleaved inside each
+expert) stay whole on their device, and so do gpt-oss's per-expert biases'
+rows. Before, the model axis alone split the experts and the data axis the
+hidden dimension (Mixtral's: the FFN one): with the batch split over the
+data axis, XLA gathered each bank over it, a quarter of the experts whole
+on every device of (2, 4) (or resharded it, an all-to-all of a device's
+share, to compute it as (1, 8) does), and on (8, 1) every expert whole.
+Measured (`plan_memory`, 2 layers, bf16, total per device, before -> now,
+(1, 8)): Qwen-3-235B-A22B width, Adam fit 8 x 512 on (2, 4) 14,171 ->
+12,249 MiB (13,602), on (8, 1) 33,785 -> 14,265; generate 8 x 1024 on
+(2, 4) 6,331 -> 4,039 (5,624); gpt-oss-120b fit on (2, 4) 23,353 -> 18,846
+(20,415); Gemma 4 26B-A4B generate 3,422 -> 2,550 (3,242). More in
+BENCHMARKS.md.
+
+Where the mesh does not divide the expert count, the model axis alone
+splits the experts and the data axis another dimension (`ExpertBank.
+otherwise`, a `LayoutFallback`); where the model axis does not divide it
+either (Mixtral's 8 experts on 16 devices) the bank moves to the
+expert-FFN (intermediate) dimension: each device then holds a slice of
+every expert, the gate/up/down matmuls stay local per slice and the down
+projection's partial sums need the same single all-reduce, as in
+Megatron-style dense tensor parallelism (a fused gate/up kernel is then
+split across its gate/up halves, which XLA reshuffles). When the model
+axis divides neither, `expert_axes` raises a `LayoutError` naming the
+variable and the numbers: replicating an expert bank would put most of the
+model on every device.
 """
 
 from __future__ import annotations
@@ -156,15 +170,27 @@ class ExpertBank:
     """The rule of a stacked expert weight `(experts, ..., ...)`.
 
     Attributes:
-        axes: The requested axes (model axis on `expert_dim`).
+        axes: The requested axes: the experts over both mesh axes
+            (data-major), every other dimension whole.
+        otherwise: The axes where the mesh does not divide the expert count:
+            the model axis on `expert_dim`, the data axis on another
+            dimension.
         expert_dim: The dimension indexing experts.
         ffn_dim: The expert-FFN (intermediate) dimension, where the model
-            axis moves when it does not divide the expert count.
+            axis moves when it does not divide the expert count either.
     """
 
     axes: Axes
+    otherwise: Axes
     expert_dim: int
     ffn_dim: int
+
+
+def _expert_bank(model: str, data: str, otherwise: Axes, *, ffn_dim: int) -> ExpertBank:
+    """An `ExpertBank` with its experts (dimension 0) over both axes, else
+    `otherwise`."""
+    both = ((data, model),) + (None,) * (len(otherwise) - 1)
+    return ExpertBank(both, otherwise, expert_dim=0, ffn_dim=ffn_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,15 +273,16 @@ def llama_rules(model: str, data: str) -> Rules:
 def _stacked_experts(model: str, data: str, *, data_on_ffn: bool = False) -> Rules:
     # Mixtral, Qwen 3 MoE and Qwen 3.5 MoE: `(E, hidden, ffn)` gate and up
     # kernels (Qwen fuses them into one `(E, hidden, 2 * ffn)`), `(E, ffn,
-    # hidden)` down kernel; the data axis on the hidden dimension, or with
+    # hidden)` down kernel; the experts over both axes, or where the mesh
+    # does not divide them the data axis on the hidden dimension, or with
     # `data_on_ffn` on the expert-FFN one.
     hidden, ffn = (None, data) if data_on_ffn else (data, None)
     return {
         "transformer_layer.*experts.expert_feedforward_(gate|intermediate)_dense": (
-            ExpertBank((model, hidden, ffn), expert_dim=0, ffn_dim=2)
+            _expert_bank(model, data, (model, hidden, ffn), ffn_dim=2)
         ),
         "transformer_layer.*experts.expert_feedforward_output_dense": (
-            ExpertBank((model, ffn, hidden), expert_dim=0, ffn_dim=1)
+            _expert_bank(model, data, (model, ffn, hidden), ffn_dim=1)
         ),
     }
 
@@ -273,11 +300,11 @@ def gemma4_rules(model: str, data: str) -> Rules:
         # 26B-A4B: (hidden, experts) router, (E, hidden, ffn) gate / up and
         # (E, ffn, hidden) down kernels.
         "decoder_block.*moe_router.proj.kernel": (model, None),
-        "decoder_block.*moe_expert_bank.(gate_proj|up_proj)": ExpertBank(
-            (model, data, None), expert_dim=0, ffn_dim=2
+        "decoder_block.*moe_expert_bank.(gate_proj|up_proj)": _expert_bank(
+            model, data, (model, data, None), ffn_dim=2
         ),
-        "decoder_block.*moe_expert_bank.down_proj": ExpertBank(
-            (model, None, data), expert_dim=0, ffn_dim=1
+        "decoder_block.*moe_expert_bank.down_proj": _expert_bank(
+            model, data, (model, None, data), ffn_dim=1
         ),
         **_gemma4_vision_rules(model, data),
         **_gemma4_audio_rules(model, data),
@@ -373,9 +400,10 @@ def mixtral_rules(model: str, data: str) -> Rules:
     # No dense FFN: Llama's `feedforward_gate_dense` key would also match the
     # router (`sparse_feedforward_gate_dense/kernel`), so it is left out.
     # Separate `(E, hidden, ffn)` gate and up kernels and an `(E, ffn,
-    # hidden)` down kernel: the data axis on the expert-FFN dimension, so a
-    # device's gate / up / down matmuls on every batch row stay local and
-    # only the down projection's partial sums are reduced (module doc).
+    # hidden)` down kernel: where the mesh does not divide the experts, the
+    # data axis on the expert-FFN dimension, so a device's gate / up / down
+    # matmuls on every batch row stay local and only the down projection's
+    # partial sums are reduced (docs/layouts.md).
     return {
         **llama_attention_rules(model, data),
         "transformer_layer.*sparse_feedforward_gate_dense.kernel": (model, None),
@@ -388,13 +416,16 @@ def gpt_oss_rules(model: str, data: str) -> Rules:
     return {
         **llama_attention_rules(model, data),
         "transformer_layer.*router.router_dense.kernel": (model, None),
-        "transformer_layer.*experts.gate_up_proj": ExpertBank(
-            (model, data, None), expert_dim=0, ffn_dim=2
+        "transformer_layer.*experts.gate_up_proj": _expert_bank(
+            model, data, (model, data, None), ffn_dim=2
         ),
-        "transformer_layer.*experts.down_proj": ExpertBank(
-            (model, None, data), expert_dim=0, ffn_dim=1
+        "transformer_layer.*experts.down_proj": _expert_bank(
+            model, data, (model, None, data), ffn_dim=1
         ),
-        "transformer_layer.*experts.(gate_up|down)_proj_bias": (model, None),
+        # `(E, 2 * ffn)` / `(E, hidden)`: with their experts where the
+        # kernels' are.
+        "transformer_layer.*experts.gate_up_proj_bias": _expert_bank(model, data, (model, None), ffn_dim=1),
+        "transformer_layer.*experts.down_proj_bias": _expert_bank(model, data, (model, None), ffn_dim=1),
         # (heads, head_dim) q/k/v biases: small, replicated on purpose.
         "transformer_layer.*self_attention.*(query|key|value).bias": (None, None),
     }
@@ -491,7 +522,9 @@ def expert_axes(
     sizes: Mapping[str, int],
     model: str,
 ) -> Axes:
-    """The expert bank's axes with the model axis on experts or on the FFN.
+    """The expert bank's axes: its experts over both mesh axes where they
+    divide them, else the model axis on experts or on the FFN
+    (`bank.otherwise`).
 
     Only the model axis is decided here; other axes (the data axis) are
     checked and, if needed, moved by the generic fallback afterwards.
@@ -500,9 +533,12 @@ def expert_axes(
         LayoutError: the model axis divides neither the expert count nor the
             expert-FFN width (see module doc: no silent replication).
     """
-    parts = sizes.get(model, 1)
-    axes = list(bank.axes) + [None] * (len(shape) - len(bank.axes))
     experts, ffn = shape[bank.expert_dim], shape[bank.ffn_dim]
+    over = specs.entry_axes(bank.axes[bank.expert_dim])
+    if experts % math.prod(sizes.get(axis, 1) for axis in over) == 0:
+        return tuple(bank.axes) + (None,) * (len(shape) - len(bank.axes))
+    parts = sizes.get(model, 1)
+    axes = list(bank.otherwise) + [None] * (len(shape) - len(bank.otherwise))
     if parts == 1 or model not in specs.entry_axes(axes[bank.expert_dim]):
         return tuple(axes)
     if experts % parts == 0:

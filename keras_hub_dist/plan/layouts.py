@@ -492,11 +492,12 @@ def get_layout_map(
                 path, tuple(shape), bank, sizes, model_parallel_dim_name
             )
             if wanted != requested:
+                on_experts = model_parallel_dim_name in specs.entry_axes(wanted[bank.expert_dim])
                 reasons.append(
-                    f"mesh axis '{model_parallel_dim_name}' of size "
-                    f"{sizes[model_parallel_dim_name]} does not divide the "
-                    f"expert count {shape[bank.expert_dim]}: the bank is split "
-                    f"along its expert FFN dimension ({shape[bank.ffn_dim]})."
+                    f"mesh axes {dict(sizes)} do not divide the expert count "
+                    f"{shape[bank.expert_dim]}: "
+                    + ("the bank keeps its experts on the model axis only." if on_experts else
+                       f"the bank is split along its expert FFN dimension ({shape[bank.ffn_dim]}).")
                 )
         try:
             specs.validate_spec(path, shape, wanted, sizes)

@@ -144,17 +144,20 @@ def _recomputed_after_cotangent(layer: Any, function: Any, values: list) -> Any:
     recomputation evaluates that program again (`block_gathers.traced_once`);
     the layer's variables are read through `block_gathers.calling`, and
     what the call assigns (dropout's seeds) is a second output: the
-    recomputation draws the forward pass's dropout masks.
+    recomputation draws the forward pass's dropout masks. What it adds with
+    `add_loss` (an MoE block's load-balancing loss) is an output too.
     """
     found = block_gathers.traced_variables(layer)
     variables, variable_values = found if found is not None else ([], [])
 
     def read(values: list, variable_values: list) -> tuple[Any, dict]:
         if not variables:  # untraced variables are constants
-            return function(*values), {}
+            return (function(*values), []), {}
         return block_gathers.calling(variables, variable_values, function, *values, returning_state=True)
 
-    evaluate, consts = block_gathers.traced_once(read, values, variable_values)
+    # What the call adds with `add_loss` is an output, differentiated too.
+    added = []
+    evaluate, consts = block_gathers.traced_once(block_gathers.keeping_losses(read, added), values, variable_values)
 
     @jax.custom_vjp
     def run(inputs):
@@ -173,8 +176,9 @@ def _recomputed_after_cotangent(layer: Any, function: Any, values: list) -> Any:
         return jax.vjp(lambda inputs: evaluate(*inputs)[0], inputs)[1](cotangents[0])
 
     run.defvjp(forward, backward)
-    output, state = run((consts, list(values), list(variable_values)))
+    (output, losses), state = run((consts, list(values), list(variable_values)))
     block_gathers.assign_state(variables, state)
+    block_gathers.add_losses(layer, losses, added)
     return output
 
 

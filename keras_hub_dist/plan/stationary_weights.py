@@ -1,5 +1,5 @@
 """`generate` with each block's weights where they are stored: the batch
-whole and the attention heads over every mesh axis.
+whole and the attention heads over the mesh axes that divide them.
 
 On a mesh whose data axis is over 1, the package's maps store each large
 weight split over both axes (FSDP's storage), and `plan/batch_axis.py`
@@ -24,12 +24,21 @@ projection's model-axis layout and gathered the probabilities `[batch,
 heads / 4, chunk, length]` over the data axis), and the output
 projection's (otherwise its kernel was gathered over the data axis).
 
+Where the mesh does not divide the KV heads but the key kernel's heads
+axis does (4 KV heads on (2, 4): Qwen 2.5 7B, Qwen 3 MoE, Gemma 2 2B), that
+axis splits the cache's and the attention's heads and the other axis
+their batch: each projection's partial sums are reduced onto the batch
+rows there, and the attention's output gathered back over them before
+the output projection (activations only). Qwen-3-30B-A3B width, 2 layers,
+bf16 1,809 -> 1,706 MiB ((1, 8): 1,931); Qwen 2.5 7B 1,297 -> 1,255
+(2,036); Gemma 2 2B 1,041 -> 1,031 (1,107).
+
 Each block's weights are still read after its input
 (`block_gathers.read_after_the_input`), though none is gathered: what XLA
-computes from them (XLA:CPU's f32 copies of bf16 kernels, an expert bank's
-resharding, `plan/batch_axis.py`) then stays in the loops, one block at a
-time, instead of being hoisted out of them for every block at once
-(gpt-oss-20b width, 8 layers, bf16: 7,562 -> 7,255 MiB; (1, 8): 7,021).
+computes from them (XLA:CPU's f32 copies of bf16 kernels) then stays in
+the loops, one block at a time, instead of being hoisted out of them for
+every block at once (gpt-oss-20b width, 8 layers, bf16: 7,562 -> 7,255
+MiB; (1, 8): 7,021).
 
 Measured (`plan_memory`, XLA:CPU, 8 simulated devices, `generate` 8 x 1024,
 total per device, (2, 4) weights gathered -> stationary, (1, 8)):
@@ -45,20 +54,21 @@ storing the FFN dimension over both axes instead brought that to (1, 8)'s
 but made fits worse (Mistral-7B, 2 layers, Adam 8 x 512: 1,504 -> 1,753
 MiB, (1, 8): 1,712; a Gemma fit at a small width 0.70x -> 1.04x stock's).
 
-`load/generate.py` decides (`heads_axes`) and lays the cache and the token
-ids out, for the causal LMs whose cache it knows (one stacked `[batch,
-layers, 2, length, kv_heads, head_dim]` cache), and sets `HEADS_AXES`
-while `call_with_cache` traces; the blocks' wrappers in
-`plan/batch_axis.py` read it. Elsewhere `plan/batch_axis.py`'s layout
-stands.
+`load/generate.py` decides (`heads_axes`, a `Split`) and lays the cache
+and the token ids out, for the causal LMs whose cache it knows (one
+stacked `[batch, layers, 2, length, kv_heads, head_dim]` cache), and sets
+`HEADS_AXES` while `call_with_cache` traces; the blocks' wrappers in
+`plan/batch_axis.py` read it. Elsewhere (one KV head, Gemma 2B; another
+cache) `plan/batch_axis.py`'s layout stands.
 
 Example:
 
 ```python
 mesh = jax.make_mesh((2, 4), ("batch", "model"))
-heads_axes(8, mesh, "batch")                  # ("batch", "model"): Llama-3-8B
-heads_axes(16, mesh, "batch", major="model")  # ("model", "batch"): Gemma-7B
-heads_axes(4, mesh, "batch")                  # None: the batch stays on the data axis
+heads_axes(8, mesh, "batch")                  # Split(("batch", "model"), ()): Llama-3-8B
+heads_axes(16, mesh, "batch", major="model")  # Split(("model", "batch"), ()): Gemma-7B
+heads_axes(4, mesh, "batch", batch_size=8)    # Split(("batch",), ("model",)): Qwen 3 MoE
+heads_axes(1, mesh, "batch", batch_size=8)    # None: the batch stays on the data axis
 ```
 """
 
@@ -67,7 +77,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import keras
@@ -76,6 +86,7 @@ from keras_hub_dist.plan.mesh import axis_sizes
 
 __all__ = [
     "HEADS_AXES",
+    "Split",
     "attention_heads_over_the_mesh",
     "batch_whole",
     "heads_axes",
@@ -85,18 +96,32 @@ __all__ = [
     "output_where_the_kernel_is",
 ]
 
-# The mesh axes the decoder blocks now tracing split their heads over (their
-# batch whole, their weights where they are), or None: set by
-# `load/generate.py` while `call_with_cache` traces, read by the blocks'
-# wrappers (`plan/batch_axis.py`).
+# How the decoder blocks now tracing split their attention (a `Split`: their
+# weights where they are), or None: set by `load/generate.py` while
+# `call_with_cache` traces, read by the blocks' wrappers
+# (`plan/batch_axis.py`).
 HEADS_AXES: contextvars.ContextVar = contextvars.ContextVar("keras_hub_dist_heads_axes", default=None)
 
 
-def heads_axes(kv_heads: int, mesh: Any, data: str | None, major: str | None = None) -> tuple[str, ...] | None:
-    """The axes of `mesh` (a Keras, JAX or abstract mesh, or a mapping of
-    axis sizes), `major` first (default: the data axis), when its data axis
-    is over 1 and its size divides `kv_heads`; else None (the batch stays on
-    the data axis).
+class Split(NamedTuple):
+    """How the attention of the blocks now tracing is split: its heads over
+    `heads`, its batch over `batch` (the mesh's other axes, where they do
+    not divide the KV heads; else empty: the batch whole)."""
+
+    heads: tuple[str, ...]
+    batch: tuple[str, ...] = ()
+
+
+def heads_axes(
+    kv_heads: int, mesh: Any, data: str | None, major: str | None = None, batch_size: int | None = None
+) -> Split | None:
+    """How the attention splits on `mesh` (a Keras, JAX or abstract mesh, or
+    a mapping of axis sizes) when its data axis is over 1: the heads over
+    every axis, `major` first (default: the data axis), where their sizes
+    divide `kv_heads`; else the heads over `major` (where its size, over 1,
+    divides them) and the batch over the other axes (where `batch_size`
+    is given and their sizes divide it); else None (the batch stays on the
+    data axis).
 
     `major` is the axis a block's key kernel splits its heads over
     (`kv_heads_axis`): a device's heads are then a part of those its
@@ -105,10 +130,16 @@ def heads_axes(kv_heads: int, mesh: Any, data: str | None, major: str | None = N
     axis; the Llama convention's on the data axis).
     """
     sizes = axis_sizes(mesh)
-    if data is None or sizes.get(data, 1) == 1 or kv_heads % math.prod(sizes.values()):
+    if data is None or sizes.get(data, 1) == 1:
         return None
     first = major if major in sizes else data
-    return (first, *[axis for axis in sizes if axis != first])
+    order = (first, *[axis for axis in sizes if axis != first])
+    if kv_heads % math.prod(sizes.values()) == 0:
+        return Split(order)
+    rest = order[1:]
+    if sizes[first] == 1 or kv_heads % sizes[first] or batch_size is None or batch_size % math.prod(sizes[a] for a in rest):
+        return None
+    return Split((first,), rest)
 
 
 def kv_heads_axis(backbone: Any) -> str | None:
@@ -131,10 +162,11 @@ def kv_heads_axis(backbone: Any) -> str | None:
     return None
 
 
-def heads_over_the_mesh(x: Any, mesh: Any, axes: tuple[str, ...], heads_dim: int = 2) -> Any:
-    """`x` (`[batch, ..., heads, ...]`) with its batch whole and its heads
-    over `axes` where they divide them; every other dimension left to XLA."""
-    return batch_whole(x, mesh, {heads_dim: axes})
+def heads_over_the_mesh(x: Any, mesh: Any, split: Split, heads_dim: int = 2) -> Any:
+    """`x` (`[batch, ..., heads, ...]`) with its heads over `split.heads`
+    and its batch over `split.batch` (whole where that is empty), each
+    where its axes divide it; every other dimension left to XLA."""
+    return batch_whole(x, mesh, {heads_dim: split.heads}, batch=split.batch)
 
 
 def input_where_the_kernel_is(layer: Any, x: Any, mesh: Any) -> Any:
@@ -181,14 +213,14 @@ def _kernel_axes(layer: Any) -> tuple:
     return tuple(keras.distribution.distribution().get_variable_layout(kernel).axes)
 
 
-def batch_whole(x: Any, mesh: Any, dims: dict | None = None) -> Any:
-    """`x` with its batch (dimension 0) whole on every device and each of
-    `dims` (dimension -> a layout entry: an axis name or a tuple of them)
-    there where the entry's axes divide it; every other dimension left to
-    XLA."""
+def batch_whole(x: Any, mesh: Any, dims: dict | None = None, batch: tuple[str, ...] = ()) -> Any:
+    """`x` with its batch (dimension 0) whole on every device (or over
+    `batch`'s axes where they divide it) and each of `dims` (dimension -> a
+    layout entry: an axis name or a tuple of them) there where the entry's
+    axes divide it; every other dimension left to XLA."""
     spec = [jax.sharding.PartitionSpec.UNCONSTRAINED] * x.ndim
     spec[0] = None
-    for dim, entry in (dims or {}).items():
+    for dim, entry in {0: batch, **(dims or {})}.items():
         names = (entry,) if isinstance(entry, str) else tuple(entry or ())
         if names and x.shape[dim] % math.prod(mesh.shape[a] for a in names) == 0:
             spec[dim] = entry
@@ -198,18 +230,18 @@ def batch_whole(x: Any, mesh: Any, dims: dict | None = None) -> Any:
 def attention_heads_over_the_mesh(compute_attention: Any, mesh_of: Any) -> Any:
     """`compute_attention` (a KerasHub attention layer's `_compute_attention(
     query, key, value, ...)`, `[batch, tokens, heads, head_dim]` in and out)
-    with its query, key, value and output's heads over `HEADS_AXES` and
-    batch whole, while a block sets them; `mesh_of()` gives the mesh."""
+    with its query, key, value and output's heads and batch split as
+    `HEADS_AXES` says, while a block sets it; `mesh_of()` gives the mesh."""
 
     @functools.wraps(compute_attention)
     def constrained(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
-        axes = HEADS_AXES.get()
-        if axes is None or not isinstance(query, jax.core.Tracer) or query.ndim != 4:
+        split = HEADS_AXES.get()
+        if split is None or not isinstance(query, jax.core.Tracer) or query.ndim != 4:
             return compute_attention(query, key, value, *args, **kwargs)
         mesh = mesh_of()
-        query, key, value = (heads_over_the_mesh(t, mesh, axes) for t in (query, key, value))
+        query, key, value = (heads_over_the_mesh(t, mesh, split) for t in (query, key, value))
         output = compute_attention(query, key, value, *args, **kwargs)
-        return heads_over_the_mesh(output, mesh, axes) if getattr(output, "ndim", None) == 4 else output
+        return heads_over_the_mesh(output, mesh, split) if getattr(output, "ndim", None) == 4 else output
 
     constrained.batch_unconstrained = compute_attention
     return constrained

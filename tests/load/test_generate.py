@@ -3,6 +3,7 @@ stock's tokens on every mesh, holds a fraction of stock's temporaries, splits
 the KV cache over the batch axis, and refuses bad arguments clearly."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,12 @@ SMALL = dict(
 FAMILIES = {
     "gemma": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM, dict(SMALL, head_dim=8)),
     "llama": (keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM, SMALL),
+    # 4 KV heads: on (2, 4) one axis splits them, the other the batch.
+    "gemma_4kv": (
+        keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM,
+        dict(SMALL, head_dim=8, num_key_value_heads=4),
+    ),
+    "llama_4kv": (keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM, dict(SMALL, num_key_value_heads=4)),
 }
 # max_length 13 with chunks of 4: three full chunks in the loop and a
 # remainder of one; every prompt (5 to 9 tokens) spans several chunks.
@@ -38,11 +45,15 @@ def _inputs():
     return {"token_ids": tokens, "padding_mask": mask}
 
 
-def _distribution(backbone_cls, mesh_shape):
+def _distribution(backbone_cls, mesh_shape, config=None):
+    """The package's map for `backbone_cls`, checked against `config`'s
+    shapes where given (4 KV heads on 8 devices fall back)."""
     dm = device_mesh(mesh_shape)
-    return keras.distribution.ModelParallel(
-        layout_map=keras_hub_dist.get_layout_map(backbone_cls, dm), batch_dim_name="batch"
-    )
+    model = backbone_cls if config is None else keras_hub_dist.abstract_backbone(config, backbone_class=backbone_cls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", keras_hub_dist.LayoutFallbackWarning)
+        layout_map = keras_hub_dist.get_layout_map(model, dm)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
 
 
 def _prompt_logits(lm, token_ids):
@@ -74,7 +85,7 @@ def test_chunked_generate_equals_stock(family, mesh_shape, stock_reference):
     inputs, refs = stock_reference
     weights, ref_tokens, ref_logits = refs[family]
     backbone_cls, task_cls, config = FAMILIES[family]
-    distribution = _distribution(backbone_cls, mesh_shape)
+    distribution = _distribution(backbone_cls, mesh_shape, config)
     keras.distribution.set_distribution(distribution)
     with distribution.scope():
         lm = task_cls(backbone=backbone_cls(**config), preprocessor=None)
@@ -89,20 +100,28 @@ def test_chunked_generate_equals_stock(family, mesh_shape, stock_reference):
     np.testing.assert_array_equal(tokens, ref_tokens)
     logits, cache = jax.jit(lambda ids: _prompt_logits(lm, ids))(inputs["token_ids"])
     np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=1e-4, rtol=0)
-    # The cache of the chunked pass: on (1, 8) the KV heads on "model";
-    # where the data axis is over 1 and the mesh divides the 8 KV heads,
-    # every batch row and an eighth of the heads on each device, the axis
-    # that splits the key kernel's heads first (`plan/stationary_weights.py`).
+    # The cache of the chunked pass: on (1, 8) the KV heads on "model"
+    # where it divides them;
+    # where the data axis is over 1, the heads over the axis that splits the
+    # key kernel's heads (Gemma's model axis, Llama's data axis) and over
+    # the other where the mesh divides them, else the batch over the other
+    # (`plan/stationary_weights.py`); else the batch on "batch".
     spec = tuple(cache.sharding.spec) + (None,) * 6
     sizes = dict(zip(("batch", "model"), mesh_shape))
     shard = cache.addressable_shards[0].data.shape
+    kv_heads = config["num_key_value_heads"]
+    major, minor = ("model", "batch") if family.startswith("gemma") else ("batch", "model")
+    entries = [(e,) if isinstance(e, str) else tuple(e or ()) for e in spec]
     if sizes["batch"] == 1:
-        assert spec[4] == "model" and shard[0] == BATCH
-    else:
-        order = {"gemma": ("model", "batch"), "llama": ("batch", "model")}[family]
-        heads = (spec[4],) if isinstance(spec[4], str) else tuple(spec[4])
-        assert spec[0] is None and heads == tuple(a for a in order if sizes[a] > 1)
+        assert spec[4] == ("model" if kv_heads % 8 == 0 else None) and shard[0] == BATCH
+    elif kv_heads % 8 == 0:
+        assert entries[0] == () and entries[4] == tuple(a for a in (major, minor) if sizes[a] > 1)
         assert shard[0] == BATCH and shard[4] == 1
+    elif sizes[major] > 1 and kv_heads % sizes[major] == 0:
+        assert entries[0] == (minor,) and entries[4] == (major,)
+        assert shard[0] == BATCH // sizes[minor] and shard[4] == kv_heads // sizes[major]
+    else:
+        assert entries[0] == ("batch",) and shard[0] == BATCH // sizes["batch"]
 
 
 def test_prompt_up_to_a_chunk_runs_exactly_stock():

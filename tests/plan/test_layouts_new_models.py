@@ -217,6 +217,41 @@ def test_expert_banks_that_divide_nothing_are_an_error(family):
         _quiet_map(report, abstract_device_mesh(mesh))
 
 
+@pytest.mark.parametrize("mesh", [(1, 8), (2, 4), (8, 1)])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_banks_split_their_experts_over_both_axes(family, mesh):
+    """Every expert bank (and gpt-oss's per-expert biases) keeps its experts
+    over both mesh axes, the rest whole: a device computes its own experts
+    on every token as on (1, 8), and no bank is gathered over the data axis
+    to compute a batch split over it (module doc of `plan.family_rules`)."""
+    cls, config = _tiny(family, experts=8)
+    report = keras_hub_dist.abstract_backbone(config, backbone_class=cls)
+    ours = _quiet_map(report, abstract_device_mesh(mesh))  # the tiny KV heads fall back
+    banks = [s for s in report.variables if EXPERT_BANK.fullmatch(s.path) or "proj_bias" in s.path]
+    assert banks and not {f.path for f in ours.report.fallbacks} & {s.path for s in banks}
+    for spec in banks:
+        axes = tuple(ours[spec.path].axes)
+        assert axes == (("batch", "model"),) + (None,) * (len(spec.shape) - 1), (spec.path, axes)
+        assert spec_lib.shard_shape(spec.shape, axes, dict(zip(("batch", "model"), mesh)))[0] == 1
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_banks_the_mesh_does_not_divide_keep_the_model_axis(family):
+    """4 experts on (2, 4): the model axis alone splits them, the data axis
+    another dimension, and the report says why."""
+    cls, config = _tiny(family, experts=4)
+    report = keras_hub_dist.abstract_backbone(config, backbone_class=cls)
+    ours = _quiet_map(report, abstract_device_mesh((2, 4)))
+    banks = [s for s in report.variables if EXPERT_BANK.fullmatch(s.path)]
+    assert banks
+    for spec in banks:
+        axes = tuple(ours[spec.path].axes)
+        assert axes[0] == "model" and "batch" in layouts._names_of(axes[1:]), (spec.path, axes)
+    reasons = {f.path: f.reason for f in ours.report.fallbacks}
+    for spec in banks:
+        assert "do not divide the expert count 4: the bank keeps its experts on the model axis only" in reasons[spec.path]
+
+
 def test_qwen3_moe_extends_kerashub_map_with_the_expert_banks():
     cls, config = _tiny("qwen3_moe")
     report = keras_hub_dist.abstract_backbone(config, backbone_class=cls)
@@ -228,7 +263,7 @@ def test_qwen3_moe_extends_kerashub_map_with_the_expert_banks():
     assert len(banks) == 2 * config["num_layers"]
     for spec in banks:
         assert stock[spec.path] is None  # KerasHub would replicate them.
-        assert ours[spec.path].axes[0] == "model"
+        assert ours[spec.path].axes[0] == ("batch", "model")
     for key in stock:
         # Except the vocabulary table, over both axes (`vocabulary_rules`).
         expected = (("batch", "model"), None) if key == "token_embedding/embeddings" else stock[key].axes
