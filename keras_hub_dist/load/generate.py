@@ -340,6 +340,11 @@ def _mesh_axes(settings: _Settings) -> tuple[Any, str | None] | None:
     return mesh, data_axis
 
 
+def _model_size(settings: _Settings) -> int:
+    found = _mesh_axes(settings)
+    return 1 if found is None else found[0].shape.get(settings.model_axis, 1)
+
+
 def _constrain(x: Any, settings: _Settings, dims: dict[int, str | None]) -> Any:
     """`x` with `dims` (dimension -> mesh axis) constrained where the axis
     divides the dimension; every other dimension left to XLA. Only under a
@@ -386,6 +391,11 @@ def _constrain_cache(lm: Any, settings: _Settings, cache: Any) -> Any:
             # the KV heads.
             return stationary_weights.heads_over_the_mesh(cache, _mesh_axes(settings)[0], split, heads_dim=4)
         dims[4] = settings.model_axis
+        if cache.shape[4] % _model_size(settings):
+            # Fewer KV heads than the model axis (one: Gemma 2B, Gemma 4's
+            # drafters): their head dimension on it, as XLA lays it out on
+            # (1, 8); on (2, 4) it left it whole, 4x the cache's share.
+            dims[5] = settings.model_axis
     return _constrain(cache, settings, dims)
 
 

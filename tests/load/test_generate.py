@@ -113,7 +113,9 @@ def test_chunked_generate_equals_stock(family, mesh_shape, stock_reference):
     major, minor = ("model", "batch") if family.startswith("gemma") else ("batch", "model")
     entries = [(e,) if isinstance(e, str) else tuple(e or ()) for e in spec]
     if sizes["batch"] == 1:
+        # Fewer KV heads than the model axis: their head dimension on it.
         assert spec[4] == ("model" if kv_heads % 8 == 0 else None) and shard[0] == BATCH
+        assert spec[5] == (None if kv_heads % 8 == 0 else "model")
     elif kv_heads % 8 == 0:
         assert entries[0] == () and entries[4] == tuple(a for a in (major, minor) if sizes[a] > 1)
         assert shard[0] == BATCH and shard[4] == 1

@@ -161,6 +161,10 @@ def test_generate_keeps_the_batch_and_the_heads_split(mesh, clean_state):
         assert text == stock_text
     else:
         assert '[{"batch"}, {?}, {"model"}, {?}]' in text
+        # The cache: its one KV head's head dimension on the model axis (as
+        # XLA lays it out on (1, 8); on (2, 4) it left it whole, a Gemma 4
+        # drafter's cache 4x its share).
+        assert '<@mesh, [{"batch"}, {?}, {?}, {?}, {?}, {"model"}]>' in text
         # The feed-forward's input holds every batch row in generate only
         # (Llama-3-8B width, 2 layers, 8 x 1024: 1,532 -> 1,404 MiB in all).
         gathered_inputs = re.findall(r"sharding_constraint %\d+ <@mesh, \[\{\}, \{\?\}, \{\?\}\]> : tensor<(\w+)>", text)
