@@ -93,8 +93,8 @@ gathered the tokens and held `[experts / 4, ffn, all tokens]`. Both inputs
 keep the tokens on the data axis. Gemma 4 26B-A4B width, 2 layers, total
 per device, before -> tokens on the data axis ((1, 8)): generate 8 x 1024
 5,256 -> 4,601 MiB (3,242); Adam fit 8 x 512 11,778 -> 10,814 MiB (9,792).
-The expert banks are stored with their experts over both axes since
-(`plan.family_rules`: generate 2,550, fit 9,451 MiB).
+Since then the maps store the bank with its experts over both axes
+(`plan.family_rules`): generate 2,550, fit 9,451 MiB.
 
 Each block's weights gathered when it runs (`plan/block_gathers.py`): in
 `generate` a block reads its weights after its input, so their gathers

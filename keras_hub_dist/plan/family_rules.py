@@ -121,9 +121,9 @@ data axis, XLA gathered each bank over it, a quarter of the experts whole
 on every device of (2, 4) (or resharded it, an all-to-all of a device's
 share, to compute it as (1, 8) does), and on (8, 1) every expert whole.
 Measured (`plan_memory`, 2 layers, bf16, total per device, before -> now,
-(1, 8)): Qwen-3-235B-A22B width, Adam fit 8 x 512 on (2, 4) 14,171 ->
-12,249 MiB (13,602), on (8, 1) 33,785 -> 14,265; generate 8 x 1024 on
-(2, 4) 6,331 -> 4,039 (5,624); gpt-oss-120b fit on (2, 4) 23,353 -> 18,846
+(1, 8)): Qwen-3-235B-A22B width, Adam fit 8 x 512 on (2, 4) 14,172 ->
+12,249 MiB (13,602), on (8, 1) 33,785 -> 14,264; generate 8 x 1024 on
+(2, 4) 6,331 -> 4,039 (5,618); gpt-oss-120b fit on (2, 4) 23,353 -> 18,846
 (20,415); Gemma 4 26B-A4B generate 3,422 -> 2,550 (3,242). More in
 BENCHMARKS.md.
 

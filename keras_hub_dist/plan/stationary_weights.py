@@ -30,8 +30,8 @@ axis splits the cache's and the attention's heads and the other axis
 their batch: each projection's partial sums are reduced onto the batch
 rows there, and the attention's output gathered back over them before
 the output projection (activations only). Qwen-3-30B-A3B width, 2 layers,
-bf16 1,809 -> 1,706 MiB ((1, 8): 1,931); Qwen 2.5 7B 1,297 -> 1,255
-(2,036); Gemma 2 2B 1,041 -> 1,031 (1,107).
+bf16 1,809 -> 1,706 MiB ((1, 8): 1,925); Qwen 2.5 7B 1,297 -> 1,255
+(2,033); Gemma 2 2B 1,041 -> 1,031 (1,107).
 
 Each block's weights are still read after its input
 (`block_gathers.read_after_the_input`), though none is gathered: what XLA

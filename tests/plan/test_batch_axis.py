@@ -343,8 +343,8 @@ def test_an_expert_bank_over_both_axes_is_never_gathered(mesh, clean_state):
     own experts on every token, as (1, 8) does, and gather no bank. With the
     data axis on the bank's hidden dimension, as before, XLA gathered each
     bank over that axis: Qwen-3-235B-A22B width, 2 layers, Adam 8 x 512 on
-    (2, 4), 14,171 -> 12,249 MiB per device ((1, 8): 13,602); on (8, 1)
-    33,785 -> 14,265."""
+    (2, 4), 14,172 -> 12,249 MiB per device ((1, 8): 13,602); on (8, 1)
+    33,785 -> 14,264."""
     totals = {}
     with clean_state():
         for name in ("fit", "generate"):

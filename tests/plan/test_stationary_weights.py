@@ -125,7 +125,7 @@ def test_few_kv_heads_split_the_batch_in_the_attention(family, monkeypatch, clea
     splits the cache's and the attention's heads, the other axis their
     batch, and the projections still compute with their weights where they
     are stored. Qwen-3-30B-A3B width, 2 layers, 8 x 1024: 1,809 -> 1,706
-    MiB per device ((1, 8): 1,931); Qwen 2.5 7B 1,297 -> 1,255 (2,036)."""
+    MiB per device ((1, 8): 1,925); Qwen 2.5 7B 1,297 -> 1,255 (2,033)."""
     mesh = (2, 4)
     with clean_state():
         _, _, one_by_eight, _ = _generate(family, (1, 8), FOUR_KV_HEADS)
