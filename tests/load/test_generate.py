@@ -79,8 +79,11 @@ def stock_reference():
     return inputs, refs
 
 
-@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(
+    "family, mesh_shape",
+    # 4 KV heads on (8, 1): the batch-split layout, which 8 KV heads take there too.
+    [(f, m) for f in FAMILIES for m in MESH_SHAPES if not (f.endswith("_4kv") and m == (8, 1))],
+)
 def test_chunked_generate_equals_stock(family, mesh_shape, stock_reference):
     inputs, refs = stock_reference
     weights, ref_tokens, ref_logits = refs[family]

@@ -310,18 +310,20 @@ def test_gemma4_expert_bank_keeps_its_tokens_split(num_experts, clean_state):
             shard_batch=True,
         )[0].as_text()
         kept, text = _fit_temps(abstract_job(keras_hub.models.Gemma4Backbone, config, (2, 4)), 64)
-        job = abstract_job(keras_hub.models.Gemma4Backbone, config, (2, 4))
-        _unconstrained(job.task)
-        gathered, _ = _fit_temps(job, 64)
+        if num_experts == 8:
+            job = abstract_job(keras_hub.models.Gemma4Backbone, config, (2, 4))
+            _unconstrained(job.task)
+            gathered, _ = _fit_temps(job, 64)
     # Tokens x hidden and tokens x experts, each layer, forward and backward.
     assert set(_tokens_on_data_axis(text)) == {"512x64xf32", f"512x{num_experts}xf32"}, text
     tokens = _tokens_on_data_axis(generate_text)
     assert any(shape.endswith("x64xf32") for shape in tokens), tokens
     assert any(shape.endswith(f"x{num_experts}xf32") for shape in tokens), tokens
-    # 8 experts: 0.98x here; at Gemma 4 26B-A4B width, 2 layers, fit 8 x 512
-    # on (2, 4): 11,778 -> 10,438 MiB when its bank kept the data axis on its
-    # hidden dimension (BENCHMARKS.md).
-    assert kept <= gathered, (kept, gathered)
+    if num_experts == 8:
+        # At Gemma 4 26B-A4B width, 2 layers, fit 8 x 512 on (2, 4): 11,778
+        # -> 10,438 MiB when its bank kept the data axis on its hidden
+        # dimension (BENCHMARKS.md).
+        assert kept <= gathered, (kept, gathered)
 
 
 def _tokens_on_data_axis(text):
