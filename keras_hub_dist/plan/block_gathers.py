@@ -26,13 +26,14 @@ gathered weights outlive the block:
   layout there, and handing the input's cotangent back only once they are
   reduced.
 
-A block's call reads its variables from a scope of their own (`calling`):
-its weights and its seed generators' state, which it hands back advanced
-(dropout draws new masks each step), and the losses it adds (an MoE
-block's load-balancing loss), which it hands to the step's scope. The fit step's block is traced once,
-in its Keras call context, and its `jax.custom_vjp` evaluates that program
-(`traced_once`): rules traced later, outside the context, ran the block
-with `training` unset, dropout off.
+A block's call reads its variables from a scope of their own
+(`calling`): its weights and its seed generators' state, which it hands
+back advanced (dropout draws new masks each step), and the losses it
+adds (an MoE block's load-balancing loss), which it hands to the step's
+scope. The fit step's block is traced once, in its Keras call context,
+and its `jax.custom_vjp` evaluates that program (`traced_once`): rules
+traced later, outside the context, ran the block with `training` unset,
+dropout off.
 
 The dependencies in the backward pass are arithmetic (a weight plus 0 x a
 cotangent element): XLA's CPU compiler drops optimization barriers before

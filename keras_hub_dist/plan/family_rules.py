@@ -424,8 +424,7 @@ def gpt_oss_rules(model: str, data: str) -> Rules:
         ),
         # `(E, 2 * ffn)` / `(E, hidden)`: with their experts where the
         # kernels' are.
-        "transformer_layer.*experts.gate_up_proj_bias": _expert_bank(model, data, (model, None), ffn_dim=1),
-        "transformer_layer.*experts.down_proj_bias": _expert_bank(model, data, (model, None), ffn_dim=1),
+        "transformer_layer.*experts.(gate_up|down)_proj_bias": _expert_bank(model, data, (model, None), ffn_dim=1),
         # (heads, head_dim) q/k/v biases: small, replicated on purpose.
         "transformer_layer.*self_attention.*(query|key|value).bias": (None, None),
     }
