@@ -66,9 +66,10 @@ __all__.append("StaleStagingWarning")
 
 class GenerateFallbackWarning(KerasHubDistWarning):
     """`shard_generate` left a causal LM's prompt pass as stock KerasHub runs
-    it (all `max_length` positions at once): its cache is not the one
-    stacked cache the chunked pass supports (e.g. Gemma 3's per-layer
-    tuple around images)."""
+    it (all `max_length` positions at once): a causal LM whose cache and
+    masks were not read for the chunked pass (`SUPPORTED_CAUSAL_LMS`), or a
+    Gemma 3 / 4 prompt with images or audio, which attend to each other
+    across chunks."""
 
 
 __all__.append("GenerateFallbackWarning")

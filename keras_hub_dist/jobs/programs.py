@@ -228,7 +228,7 @@ def kv_cache_bytes(job: AbstractJob, batch_size: int, max_length: int) -> int | 
     them and the batch over the others (`plan/stationary_weights.py`).
     `None` for another cache."""
     task = job.task
-    if not load_generate.supports_chunked_prompt(task):
+    if not load_generate.has_stacked_cache(task):
         return None
     backbone = task.backbone
     heads = backbone.num_key_value_heads

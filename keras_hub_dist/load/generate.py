@@ -13,7 +13,8 @@ instance, leaving the task's class, config and `generate` API as they are:
    attending to the whole cache, so scores are `[B, H, chunk, S]`; the
    cache is the same zero-initialized cache stock builds (stock's own
    `_build_cache` allocates it), the returned `(hidden_states, cache)` the
-   same values;
+   same values (Gemma 3 / 4: a text prompt, each chunk with the padding
+   mask stock's pass takes);
 2. `jax.lax.with_sharding_constraint` puts the batch dimension of the token
    ids, padding mask, KV cache and hidden states on the distribution's data
    axis (where it divides the batch) and the cache's KV-heads dimension on
@@ -58,6 +59,7 @@ keras_hub_dist.shard_generate(lm, prompt_chunk=None, shard_batch=False)  # stock
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 import weakref
 from typing import Any
@@ -75,7 +77,10 @@ from keras_hub_dist.plan.batch_axis import constrain_where_divisible
 __all__ = [
     "DEFAULT_PROMPT_CHUNK",
     "SUPPORTED_CAUSAL_LMS",
+    "STACKED_CACHE_LMS",
+    "TEXT_CHUNKED_LMS",
     "check_prompt_chunk",
+    "has_stacked_cache",
     "lower_generate",
     "shard_generate",
     "supports_chunked_prompt",
@@ -100,13 +105,9 @@ DEFAULT_PROMPT_CHUNK = 512
 # sliding-window masks offset by the index): read in KerasHub 0.32's source
 # and checked against stock, chunk by chunk (tests/load/test_generate.py,
 # Gemma and Llama; the others by benchmarks/bench_generate.py --check).
-# Gemma2 is `GemmaCausalLM`, Llama 3 a `LlamaCausalLM`. Gemma 3 / 3n / 4,
-# PaliGemma and Qwen 3.5 build a per-layer tuple cache around images and a
-# padding mask (`_build_cache(token_ids, img_embeddings, ...)`): they keep
-# stock's prompt pass, with a `GenerateFallbackWarning`; so do GPT-2, OPT,
-# Bloom, Falcon, GPT-NeoX, Phi-3 and SmolLM3, which have the right shape
-# but were not checked (their position embeddings and masks unread).
-SUPPORTED_CAUSAL_LMS = (
+# Gemma2 is `GemmaCausalLM`, Llama 3 a `LlamaCausalLM`. Their cache's
+# heads are laid out with the weights (`plan/stationary_weights.py`).
+STACKED_CACHE_LMS = (
     "GemmaCausalLM",
     "LlamaCausalLM",
     "Llama3CausalLM",
@@ -118,6 +119,24 @@ SUPPORTED_CAUSAL_LMS = (
     "Qwen3MoeCausalLM",
     "GptOssCausalLM",
 )
+
+# Gemma 3 and 4 seed their cache (Gemma 3: a per-layer tuple of `[B, S,
+# kv_heads, head_dim]` pairs; Gemma 4: one stacked cache as wide as its
+# widest head) with `_build_cache(token_ids, img_embeddings, vision_mask,
+# padding_mask, vision_indices, ...)`, which calls `call_with_cache` with the
+# padding mask; their masks are offset by `cache_update_index` as above,
+# and a KV-shared layer reads its source layer's cache after that layer's
+# update. A text prompt (no image or audio) runs in chunks, each with the
+# whole padding mask (the rows of stock's masks); a prompt with media keeps
+# stock's pass (images attend to each other both ways across chunks).
+TEXT_CHUNKED_LMS = ("Gemma3CausalLM", "Gemma4CausalLM")
+
+# Every causal LM whose prompt pass runs in chunks. PaliGemma, Gemma 3n and
+# Qwen 3.5 (whose linear-attention layers carry a recurrent state) keep
+# stock's prompt pass, with a `GenerateFallbackWarning`; so do GPT-2, OPT,
+# Bloom, Falcon, GPT-NeoX, Phi-3 and SmolLM3, which have the right shape
+# but were not checked (their position embeddings and masks unread).
+SUPPORTED_CAUSAL_LMS = STACKED_CACHE_LMS + TEXT_CHUNKED_LMS
 
 # Stands for "the data axis" in `_constrain`'s dims (its name is known only
 # when `generate` traces, under the distribution then active).
@@ -136,14 +155,25 @@ class _Settings:
 
 
 def supports_chunked_prompt(causal_lm: Any) -> bool:
-    """Whether `causal_lm`'s prompt pass can run in chunks.
+    """Whether `causal_lm`'s prompt pass can run in chunks (a text prompt,
+    for Gemma 3 / 4).
 
     True when both `_build_cache` and `call_with_cache` are those of a class
     in `SUPPORTED_CAUSAL_LMS` (a subclass overriding either is not).
     """
+    return _cache_methods_of(causal_lm, SUPPORTED_CAUSAL_LMS)
+
+
+def has_stacked_cache(causal_lm: Any) -> bool:
+    """Whether `causal_lm` builds one stacked `[B, layers, 2, S, kv_heads,
+    head_dim]` cache from its token ids alone (`STACKED_CACHE_LMS`)."""
+    return _cache_methods_of(causal_lm, STACKED_CACHE_LMS)
+
+
+def _cache_methods_of(causal_lm: Any, class_names: tuple[str, ...]) -> bool:
     for name in ("_build_cache", "call_with_cache"):
         owner = next((c for c in type(causal_lm).__mro__ if name in c.__dict__), None)
-        if owner is None or owner.__name__ not in SUPPORTED_CAUSAL_LMS:
+        if owner is None or owner.__name__ not in class_names:
             return False
     return True
 
@@ -183,8 +213,8 @@ def shard_generate(
         prompt_chunk: Prompt positions per step of the prompt pass (a
             positive int), or `None` for stock's single pass. A `max_length`
             up to `prompt_chunk` runs exactly as stock. A causal LM not in
-            `SUPPORTED_CAUSAL_LMS` keeps stock's pass, with a
-            `GenerateFallbackWarning`.
+            `SUPPORTED_CAUSAL_LMS`, and a Gemma 3 / 4 prompt with images or
+            audio, keep stock's pass, with a `GenerateFallbackWarning`.
         shard_batch: Constrain the batch dimension of the token ids, padding
             mask, KV cache and hidden states to the data axis, and the
             cache's KV-heads dimension to the model axis, under the Keras
@@ -364,7 +394,7 @@ def _stationary_axes(lm: Any, settings: _Settings, batch_size: int) -> stationar
     (`plan/stationary_weights.py`), or None."""
     found = _mesh_axes(settings)
     heads = getattr(lm.backbone, "num_key_value_heads", None)
-    if found is None or not isinstance(heads, int) or not supports_chunked_prompt(lm):
+    if found is None or not isinstance(heads, int) or not has_stacked_cache(lm):
         return None
     major = stationary_weights.kv_heads_axis(lm.backbone)
     return stationary_weights.heads_axes(heads, *found, major=major, batch_size=batch_size)
@@ -425,15 +455,16 @@ def _build_cache(lm: Any, settings: _Settings, token_ids: Any, *args: Any, **kwa
     stock = type(lm)._build_cache
     chunk = settings.prompt_chunk
     length = token_ids.shape[1]
-    if chunk is None or args or kwargs or length <= chunk:
+    seed = _text_seed(lm, stock, token_ids, args, kwargs)
+    if chunk is None or seed is None or length <= chunk:
         return stock(lm, token_ids, *args, **kwargs)
     # The zero cache exactly as stock allocates it (its shape and dtype
     # rules differ per family): stock's own `_build_cache`, its seeding
     # call answered with the cache it was handed.
     call = lm.__dict__["call_with_cache"]
-    lm.__dict__["call_with_cache"] = lambda ids, cache, index: (None, None, cache)
+    lm.__dict__["call_with_cache"] = lambda *a, **k: (None, None, k["cache"] if "cache" in k else a[1])
     try:
-        _, cache = stock(lm, token_ids)
+        _, cache = stock(lm, token_ids, *args, **kwargs)
     finally:
         lm.__dict__["call_with_cache"] = call
     cache = _constrain_cache(lm, settings, cache)
@@ -441,7 +472,7 @@ def _build_cache(lm: Any, settings: _Settings, token_ids: Any, *args: Any, **kwa
     first = jax.lax.slice_in_dim(token_ids, 0, chunk, axis=1)
     # Shapes only (a trace, no computation): the buffer the chunks' hidden
     # states go into, unused by most samplers and then dropped by XLA.
-    out = jax.eval_shape(lambda ids, c: call(ids, c, 0)[1], first, cache)
+    out = jax.eval_shape(lambda ids, c, s: call(ids, c, 0, **s)[1], first, cache, seed)
     hidden = jnp.zeros((out.shape[0], length) + out.shape[2:], out.dtype)
     hidden = _constrain_batch(lm, settings, hidden)
 
@@ -449,7 +480,7 @@ def _build_cache(lm: Any, settings: _Settings, token_ids: Any, *args: Any, **kwa
         hidden, cache = carry
         start = i * chunk
         ids = jax.lax.dynamic_slice_in_dim(token_ids, start, chunk, axis=1)
-        _, h, cache = call(ids, cache, start)
+        _, h, cache = call(ids, cache, start, **seed)
         return jax.lax.dynamic_update_slice_in_dim(hidden, h.astype(hidden.dtype), start, axis=1), cache
 
     # One traced body for all full chunks: compile time and program size do
@@ -458,6 +489,30 @@ def _build_cache(lm: Any, settings: _Settings, token_ids: Any, *args: Any, **kwa
     if remainder:
         start = full * chunk
         ids = jax.lax.slice_in_dim(token_ids, start, length, axis=1)
-        _, h, cache = call(ids, cache, start)
+        _, h, cache = call(ids, cache, start, **seed)
         hidden = jax.lax.dynamic_update_slice_in_dim(hidden, h.astype(hidden.dtype), start, axis=1)
     return hidden, cache
+
+
+def _text_seed(lm: Any, stock: Any, token_ids: Any, args: tuple, kwargs: dict) -> dict | None:
+    """What each chunk's `call_with_cache` takes besides the token ids, the
+    cache and the index: nothing for `STACKED_CACHE_LMS` (their
+    `_build_cache(token_ids)`), the padding mask for a Gemma 3 / 4 text
+    prompt; None (stock's pass) for a prompt with images or audio."""
+    if not args and not kwargs:
+        return {}
+    bound = inspect.signature(stock).bind(lm, token_ids, *args, **kwargs)
+    bound.apply_defaults()
+    media = {k: v for k, v in list(bound.arguments.items())[2:] if k != "padding_mask" and v is not None}
+    if media:
+        warnings.warn(
+            f"{type(lm).__name__} runs a prompt with {sorted(media)} in stock's single "
+            "pass over all max_length positions: expected a text prompt (no image or "
+            "audio) to run it in chunks of prompt_chunk positions. Received: a prompt "
+            "with media, whose tokens attend to each other across chunks.",
+            GenerateFallbackWarning,
+            stacklevel=2,
+        )
+        return None
+    mask = bound.arguments.get("padding_mask")
+    return {} if mask is None else {"padding_mask": mask}

@@ -31,7 +31,24 @@ FAMILIES = {
         dict(SMALL, head_dim=8, num_key_value_heads=4),
     ),
     "llama_4kv": (keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM, dict(SMALL, num_key_value_heads=4)),
+    # A text prompt; a per-layer tuple cache, sliding layers whose window (3)
+    # is shorter than a chunk, and a global one.
+    "gemma3": (
+        keras_hub.models.Gemma3Backbone, keras_hub.models.Gemma3CausalLM,
+        dict(SMALL, num_layers=2, head_dim=8, image_size=16, vision_encoder=None, sliding_window_size=3,
+             sliding_window_pattern=2),
+    ),
+    # One stacked cache as wide as the global layer's heads (16 against 8),
+    # and a last layer that reads the global layer's keys and values.
+    "gemma4": (
+        keras_hub.models.Gemma4Backbone, keras_hub.models.Gemma4CausalLM,
+        dict(SMALL, num_layers=3, head_dim=8, global_head_dim=16, image_size=None, vision_encoder=None,
+             audio_encoder=None, sliding_window_size=3, sliding_window_pattern=2, num_kv_shared_layers=1),
+    ),
 }
+# Gemma 3 / 4: `_build_cache(token_ids, img_embeddings, vision_mask,
+# padding_mask, vision_indices)`, with the padding mask.
+TEXT_PROMPT_FAMILIES = ("gemma3", "gemma4")
 # max_length 13 with chunks of 4: three full chunks in the loop and a
 # remainder of one; every prompt (5 to 9 tokens) spans several chunks.
 BATCH, LENGTH, CHUNK = 8, 13, 4
@@ -56,10 +73,25 @@ def _distribution(backbone_cls, mesh_shape, config=None):
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
 
 
-def _prompt_logits(lm, token_ids):
+def _greedy_tokens(lm, inputs):
+    """`lm.generate`'s tokens; for Gemma 3 / 4 its program's (their
+    `generate` without a preprocessor fails in KerasHub 0.32 concatenating
+    the `None` media entries of its outputs)."""
+    if type(lm).__name__ in ("Gemma3CausalLM", "Gemma4CausalLM"):
+        if lm.generate_function is None:
+            lm.make_generate_function()
+        inputs = {k: jnp.asarray(v) for k, v in inputs.items()}
+        return np.asarray(lm.generate_function(inputs, None)["token_ids"])
+    return np.asarray(lm.generate(dict(inputs), stop_token_ids=None)["token_ids"])
+
+
+def _prompt_logits(lm, token_ids, padding_mask):
     # The logits of the prompt pass (from the hidden states `_build_cache`
     # returns), and its cache.
-    hidden, cache = lm._build_cache(token_ids)
+    if type(lm).__name__ in ("Gemma3CausalLM", "Gemma4CausalLM"):
+        hidden, cache = lm._build_cache(token_ids, None, None, padding_mask, None)
+    else:
+        hidden, cache = lm._build_cache(token_ids)
     return lm.backbone.token_embedding(hidden, reverse=True), cache
 
 
@@ -73,8 +105,8 @@ def stock_reference():
         keras.utils.set_random_seed(7)
         lm = task_cls(backbone=backbone_cls(**config), preprocessor=None)
         lm.compile(sampler="greedy")
-        tokens = np.asarray(lm.generate(dict(inputs), stop_token_ids=None)["token_ids"])
-        logits = np.asarray(jax.jit(lambda ids: _prompt_logits(lm, ids))(inputs["token_ids"])[0])
+        tokens = _greedy_tokens(lm, inputs)
+        logits = np.asarray(jax.jit(lambda ids, mask: _prompt_logits(lm, ids, mask))(inputs["token_ids"], inputs["padding_mask"])[0])
         refs[name] = ([np.asarray(v.numpy()) for v in lm.backbone.weights], tokens, logits)
     return inputs, refs
 
@@ -99,10 +131,17 @@ def test_chunked_generate_equals_stock(family, mesh_shape, stock_reference):
     assert shard_generate(lm, prompt_chunk=CHUNK) is lm
     assert lm.generate_function is None and type(lm) is task_cls
 
-    tokens = np.asarray(lm.generate(dict(inputs), stop_token_ids=None)["token_ids"])
+    tokens = _greedy_tokens(lm, inputs)
     np.testing.assert_array_equal(tokens, ref_tokens)
-    logits, cache = jax.jit(lambda ids: _prompt_logits(lm, ids))(inputs["token_ids"])
+    logits, cache = jax.jit(lambda ids, mask: _prompt_logits(lm, ids, mask))(inputs["token_ids"], inputs["padding_mask"])
     np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=1e-4, rtol=0)
+    sizes = dict(zip(("batch", "model"), mesh_shape))
+    if family in TEXT_PROMPT_FAMILIES:
+        # The batch on "batch" (every layer's keys and values for Gemma 3).
+        assert {leaf.addressable_shards[0].data.shape[0] for leaf in jax.tree.leaves(cache)} == {
+            BATCH // sizes["batch"]
+        }
+        return
     # The cache of the chunked pass: on (1, 8) the KV heads on "model"
     # where it divides them;
     # where the data axis is over 1, the heads over the axis that splits the
@@ -110,7 +149,6 @@ def test_chunked_generate_equals_stock(family, mesh_shape, stock_reference):
     # the other where the mesh divides them, else the batch over the other
     # (`plan/stationary_weights.py`); else the batch on "batch".
     spec = tuple(cache.sharding.spec) + (None,) * 6
-    sizes = dict(zip(("batch", "model"), mesh_shape))
     shard = cache.addressable_shards[0].data.shape
     kv_heads = config["num_key_value_heads"]
     major, minor = ("model", "batch") if family.startswith("gemma") else ("batch", "model")
@@ -129,16 +167,34 @@ def test_chunked_generate_equals_stock(family, mesh_shape, stock_reference):
         assert entries[0] == ("batch",) and shard[0] == BATCH // sizes["batch"]
 
 
-def test_prompt_up_to_a_chunk_runs_exactly_stock():
-    backbone_cls, task_cls, config = FAMILIES["gemma"]
+@pytest.mark.parametrize("family", ["gemma", *TEXT_PROMPT_FAMILIES])
+def test_prompt_up_to_a_chunk_runs_exactly_stock(family):
+    backbone_cls, task_cls, config = FAMILIES[family]
     keras.utils.set_random_seed(1)
     lm = task_cls(backbone=backbone_cls(**config), preprocessor=None)
-    ids = jax.ShapeDtypeStruct((2, CHUNK), jnp.int32)
-    stock = str(jax.make_jaxpr(lm._build_cache)(ids))
+
+    def build_cache(length, **media):
+        ids = jax.ShapeDtypeStruct((2, length), jnp.int32)
+        if family not in TEXT_PROMPT_FAMILIES:
+            return str(jax.make_jaxpr(lm._build_cache)(ids))
+        mask = jax.ShapeDtypeStruct((2, length), jnp.bool_)
+        seed = lambda ids, mask: lm._build_cache(ids, None, None, mask, None, **media)  # noqa: E731
+        return str(jax.make_jaxpr(seed)(ids, mask))
+
+    stock = build_cache(CHUNK)
     shard_generate(lm, prompt_chunk=CHUNK, shard_batch=False)
-    assert str(jax.make_jaxpr(lm._build_cache)(ids)) == stock
-    longer = str(jax.make_jaxpr(lm._build_cache)(jax.ShapeDtypeStruct((2, 3 * CHUNK + 1), jnp.int32)))
+    assert build_cache(CHUNK) == stock
+    longer = build_cache(3 * CHUNK + 1)
     assert "scan" in longer or "while" in longer  # one loop, not unrolled
+    if family == "gemma4":
+        # A prompt with media goes to stock's single pass, said (which this
+        # backbone, without an audio encoder, cannot run).
+        audio = jnp.zeros((2, 1, config["hidden_dim"]))
+        with (
+            pytest.warns(GenerateFallbackWarning, match=r"\['audio_embeddings', 'audio_indices'\] in stock's single pass"),
+            pytest.raises(AttributeError, match="audio_interleave_embeddings"),
+        ):
+            build_cache(3 * CHUNK + 1, audio_embeddings=audio, audio_indices=jnp.zeros((2, 1), "int32"))
     shard_generate(lm, prompt_chunk=None, shard_batch=False)  # stock again
     assert not {"_build_cache", "call_with_cache", "generate_step"} & set(lm.__dict__)
 
@@ -216,25 +272,26 @@ def test_bad_arguments_are_refused():
         lower_generate(lm, 1, 8)
 
 
-def test_gemma3_keeps_stocks_prompt_pass_with_a_warning():
-    # Gemma 3 seeds a per-layer tuple cache around images and a padding mask:
-    # left stock (documented), its batch still constrained, its program
+class _OwnCacheCall(keras_hub.models.LlamaCausalLM):
+    """A causal LM whose `call_with_cache` is not one read in KerasHub's source."""
+
+    def call_with_cache(self, *args, **kwargs):
+        return super().call_with_cache(*args, **kwargs)
+
+
+def test_an_unread_causal_lm_keeps_stocks_prompt_pass_with_a_warning():
+    # Left stock (documented), its batch still constrained, its program
     # still lowering (abstract: no compile, no value).
     model = keras_hub_dist.abstract_backbone(
-        dict(
-            vocabulary_size=VOCAB, image_size=16, num_layers=1, num_query_heads=8,
-            num_key_value_heads=8, hidden_dim=32, intermediate_dim=32, head_dim=8,
-            vision_encoder=None, dtype="float32",
-        ),
-        backbone_class=keras_hub.models.Gemma3Backbone,
+        dict(SMALL, num_layers=1), backbone_class=keras_hub.models.LlamaBackbone
     ).model
     layout_map = keras_hub_dist.get_layout_map(model, device_mesh((2, 4)))
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     )
-    lm = keras_hub.models.Gemma3CausalLM(backbone=model, preprocessor=None)
+    lm = _OwnCacheCall(backbone=model, preprocessor=None)
     assert not keras_hub_dist.load.generate.supports_chunked_prompt(lm)
-    with pytest.warns(GenerateFallbackWarning, match="Gemma3CausalLM keeps stock KerasHub's prompt pass"):
+    with pytest.warns(GenerateFallbackWarning, match="_OwnCacheCall keeps stock KerasHub's prompt pass"):
         shard_generate(lm, prompt_chunk=CHUNK)
     text = lower_generate(lm, BATCH, 2 * CHUNK).as_text()
     assert "sharding_constraint" in text, text[:2000]
