@@ -74,10 +74,11 @@ def _distribution(backbone_cls, mesh_shape, config=None):
 
 
 def _greedy_tokens(lm, inputs):
-    """`lm.generate`'s tokens; for Gemma 3 / 4 its program's (their
-    `generate` without a preprocessor fails in KerasHub 0.32 concatenating
-    the `None` media entries of its outputs)."""
-    if type(lm).__name__ in ("Gemma3CausalLM", "Gemma4CausalLM"):
+    """`lm.generate`'s tokens; for Gemma 3 its program's (KerasHub 0.32's
+    `Gemma3CausalLM.generate` without a preprocessor raises: it
+    concatenates the `images: None` its program returns for a text
+    prompt)."""
+    if type(lm).__name__ == "Gemma3CausalLM":
         if lm.generate_function is None:
             lm.make_generate_function()
         inputs = {k: jnp.asarray(v) for k, v in inputs.items()}
