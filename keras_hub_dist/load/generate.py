@@ -455,8 +455,8 @@ def _build_cache(lm: Any, settings: _Settings, token_ids: Any, *args: Any, **kwa
     stock = type(lm)._build_cache
     chunk = settings.prompt_chunk
     length = token_ids.shape[1]
-    seed = _text_seed(lm, stock, token_ids, args, kwargs)
-    if chunk is None or seed is None or length <= chunk:
+    seed = None if chunk is None or length <= chunk else _text_seed(lm, stock, token_ids, args, kwargs)
+    if seed is None:
         return stock(lm, token_ids, *args, **kwargs)
     # The zero cache exactly as stock allocates it (its shape and dtype
     # rules differ per family): stock's own `_build_cache`, its seeding
