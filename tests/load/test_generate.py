@@ -39,7 +39,7 @@ FAMILIES = {
              sliding_window_pattern=2),
     ),
     # One stacked cache as wide as the global layer's heads (16 against 8),
-    # and a last layer that reads the global layer's keys and values.
+    # and a last (sliding) layer that reads the first one's keys and values.
     "gemma4": (
         keras_hub.models.Gemma4Backbone, keras_hub.models.Gemma4CausalLM,
         dict(SMALL, num_layers=3, head_dim=8, global_head_dim=16, image_size=None, vision_encoder=None,
@@ -179,8 +179,8 @@ def test_prompt_up_to_a_chunk_runs_exactly_stock(family):
         if family not in TEXT_PROMPT_FAMILIES:
             return str(jax.make_jaxpr(lm._build_cache)(ids))
         mask = jax.ShapeDtypeStruct((2, length), jnp.bool_)
-        seed = lambda ids, mask: lm._build_cache(ids, None, None, mask, None, **media)  # noqa: E731
-        return str(jax.make_jaxpr(seed)(ids, mask))
+        prompt_pass = lambda ids, mask: lm._build_cache(ids, None, None, mask, None, **media)  # noqa: E731
+        return str(jax.make_jaxpr(prompt_pass)(ids, mask))
 
     stock = build_cache(CHUNK)
     shard_generate(lm, prompt_chunk=CHUNK, shard_batch=False)
