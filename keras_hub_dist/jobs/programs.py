@@ -221,12 +221,14 @@ def lower_generate(
 
 def kv_cache_bytes(job: AbstractJob, batch_size: int, max_length: int) -> int | None:
     """Per-device bytes of the stacked KV cache `[B, layers, 2, S, kv_heads,
-    head_dim]` the supported causal LMs build, split as `shard_generate`
-    constrains it: the batch over the data axis and the KV heads over the
-    model axis, each where it divides; where the data axis is over 1 and a
-    mesh axis divides the KV heads, the heads over the axes that divide
-    them and the batch over the others (`plan/stationary_weights.py`).
-    `None` for another cache."""
+    head_dim]` the stacked-cache causal LMs build, split as `shard_generate`
+    constrains it (`load/generate.py`'s `_constrain_cache`): the batch over
+    the data axis and the KV heads over the model axis, each where it
+    divides, and with fewer KV heads than the model axis their head
+    dimension there; where the data axis is over 1 and a mesh axis divides
+    the KV heads, the heads over the axes that divide them and the batch
+    over the others (`plan/stationary_weights.py`). `None` for another
+    cache."""
     task = job.task
     if not load_generate.has_stacked_cache(task):
         return None
@@ -234,16 +236,17 @@ def kv_cache_bytes(job: AbstractJob, batch_size: int, max_length: int) -> int | 
     heads = backbone.num_key_value_heads
     head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // backbone.num_query_heads
     sizes = job.mesh_axis_sizes
-    data_axis = next(iter(sizes))
     with job.scope():
-        major = stationary_weights.kv_heads_axis(backbone)
-    split = stationary_weights.heads_axes(heads, sizes, data_axis, major=major, batch_size=batch_size)
+        split = stationary_weights.backbone_split(backbone, sizes, next(iter(sizes)), batch_size)
     if split is not None:
         rows = batch_size // math.prod(sizes[a] for a in split.batch)
         heads //= math.prod(sizes[a] for a in split.heads)
     else:
         data, model = sizes.values()
         rows = batch_size // data if batch_size % data == 0 else batch_size
-        heads = heads // model if heads % model == 0 else heads
+        if heads % model == 0:
+            heads //= model
+        elif head_dim % model == 0:
+            head_dim //= model
     elements = rows * backbone.num_layers * 2 * max_length * heads * head_dim
     return elements * itemsize(keras.backend.standardize_dtype(task.compute_dtype))

@@ -393,11 +393,9 @@ def _stationary_axes(lm: Any, settings: _Settings, batch_size: int) -> stationar
     computing with their weights where they are stored
     (`plan/stationary_weights.py`), or None."""
     found = _mesh_axes(settings)
-    heads = getattr(lm.backbone, "num_key_value_heads", None)
-    if found is None or not isinstance(heads, int) or not has_stacked_cache(lm):
+    if found is None or not has_stacked_cache(lm):
         return None
-    major = stationary_weights.kv_heads_axis(lm.backbone)
-    return stationary_weights.heads_axes(heads, *found, major=major, batch_size=batch_size)
+    return stationary_weights.backbone_split(lm.backbone, *found, batch_size)
 
 
 def _constrain_batch(lm: Any, settings: _Settings, x: Any) -> Any:

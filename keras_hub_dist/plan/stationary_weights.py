@@ -88,6 +88,7 @@ __all__ = [
     "HEADS_AXES",
     "Split",
     "attention_heads_over_the_mesh",
+    "backbone_split",
     "batch_whole",
     "heads_axes",
     "heads_over_the_mesh",
@@ -140,6 +141,18 @@ def heads_axes(
     if sizes[first] == 1 or kv_heads % sizes[first] or batch_size is None or batch_size % math.prod(sizes[a] for a in rest):
         return None
     return Split((first,), rest)
+
+
+def backbone_split(backbone: Any, mesh: Any, data: str | None, batch_size: int) -> Split | None:
+    """`heads_axes` for `backbone`'s KV heads and `batch_size` rows, its key
+    kernel's heads axis (`kv_heads_axis`, under the active distribution)
+    first; None for a backbone without a KV-head count. What `generate`
+    computes with (`load/generate.py`) and what the plan's KV-cache figure
+    counts (`jobs/programs.py`)."""
+    heads = getattr(backbone, "num_key_value_heads", None)
+    if not isinstance(heads, int):
+        return None
+    return heads_axes(heads, mesh, data, major=kv_heads_axis(backbone), batch_size=batch_size)
 
 
 def kv_heads_axis(backbone: Any) -> str | None:

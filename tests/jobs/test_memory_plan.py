@@ -111,6 +111,30 @@ def test_generate_plan_equals_the_real_generate(gemma_preset, mesh, stock):
         assert plan.kv_cache_bytes == 8 * 1 * 2 * 16 * 8 * 8 * 4 // 8
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_the_kv_cache_figure_is_the_compiled_caches_share(kv_heads, clean_state):
+    """Fewer KV heads than the model axis: `generate` puts the cache's head
+    dimension on it (or, on (2, 4) with 2 heads, the heads on the data
+    axis and the batch on the model axis); the figure counts that share,
+    the partitioned program's `[B, layers, 2, S, kv_heads, head_dim]`
+    buffer per device (it counted the head dimension whole: 8x on (1, 8))."""
+    config = dict(
+        vocabulary_size=256, num_layers=2, num_query_heads=16, num_key_value_heads=kv_heads,
+        hidden_dim=256, intermediate_dim=512, dtype="float32",
+    )
+    for mesh in MESH_SHAPES:
+        with clean_state():
+            job = abstract_job(keras_hub.models.LlamaBackbone, config, mesh)
+            lowered, figure = programs.lower_generate(job, 8, 128, prompt_chunk=64, shard_batch=True)
+            shards = [
+                tuple(int(d) for d in dims.split(","))
+                for dims in re.findall(r"f32\[([0-9,]+)\]", lowered.compile().as_text())
+            ]
+        caches = {s for s in shards if len(s) == 6 and s[1:4] == (2, 2, 128)}
+        assert len(caches) == 1, (mesh, caches)
+        assert figure == 4 * int(np.prod(caches.pop())) == 8 * 2 * 2 * 128 * kv_heads * 16 * 4 // 8, mesh
+
+
 def test_quantized_generate_plan_equals_the_real_generate(gemma_preset):
     plan = plan_memory(gemma_preset, (2, 4), job="generate", quantize="int8", prompt_chunk=4, **PLAN)
     lm = keras_hub_dist.load_sharded_preset(
