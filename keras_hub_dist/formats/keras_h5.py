@@ -45,6 +45,7 @@ import numpy as np
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.storage import host_io
+from keras_hub_dist.storage.names import check_name, local_path
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
     Index,
@@ -178,7 +179,7 @@ def weights_files(weights_path: str) -> tuple[str, ...]:
     folder = os.path.dirname(weights_path)
     files = []
     for name in names:
-        path = os.path.join(folder, name)
+        path = local_path(folder, name, source=f"the sharded weights config {weights_path!r}")
         if not os.path.isfile(path):
             raise PresetError(
                 f"A weights shard listed in {weights_path!r} is missing. "
@@ -543,7 +544,10 @@ def open_weights(location: Any, label: str) -> tuple[str, list[Any]]:
         )
     entry = location.path_of(_SHARDED_WEIGHTS_FILE)
     files = []
-    for name in _shard_names(location.read_bytes(_SHARDED_WEIGHTS_FILE), entry):
+    shards = _shard_names(location.read_bytes(_SHARDED_WEIGHTS_FILE), entry)
+    for name in shards:  # every one, before any is opened
+        check_name(name, source=f"the sharded weights config {entry!r}")
+    for name in shards:
         try:
             files.append(location.open(name))
         except FileNotFoundError as e:

@@ -36,6 +36,7 @@ from keras_hub_dist.errors import PresetError
 from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import StoredTensor
 from keras_hub_dist.storage.locations import LocalDirectory
+from keras_hub_dist.storage.names import check_name
 from keras_hub_dist.plan.presets import parse_json
 
 __all__ = [
@@ -222,7 +223,10 @@ def checkpoint_files(location: Any, label: str | None = None) -> SafetensorsChec
                 f"{str(index)[:200]}."
             )
         headers = {}
-        for name in sorted(set(weight_map.values())):
+        shards = sorted(set(weight_map.values()))
+        for name in shards:  # every one, before any is opened
+            check_name(name, source=f"the index {index_path!r}")
+        for name in shards:
             try:
                 opened = location.open(name)
             except FileNotFoundError as e:

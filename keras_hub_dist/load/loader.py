@@ -368,6 +368,10 @@ def _load_from(
     backbone_cls, backbone_config = checkpoint.backbone_config(config, source.label)
     metadata = read_metadata(location)
     task_cls = task_class(options.task, backbone_cls, metadata, source.label) if options.task else None
+    if task_cls is not None:
+        # Staged (and every listed name and tokenizer path checked) before
+        # any device memory is used; `build_task` reuses it.
+        location.keras_hub_dir()
     if mesh is None and isinstance(layout_map, keras.distribution.LayoutMap):
         device_mesh = layout_map.device_mesh
     else:

@@ -43,6 +43,7 @@ import jax
 from keras_hub_dist.errors import CheckpointError
 from keras_hub_dist.load.restore_plan import Stored
 from keras_hub_dist.storage.locations import is_url
+from keras_hub_dist.storage.names import local_path
 
 __all__ = ["ITEM", "orbax_version", "read_arrays", "require_orbax", "resolve_step", "stored_arrays"]
 
@@ -129,6 +130,7 @@ def resolve_step(directory: Any, step: int | None) -> tuple[int, str]:
                 f"directory. Received: the directory of step {own}. Pass "
                 "its parent directory to choose among the saved steps."
             )
+        _check_inside(str(root), str(root), label)
         return (own if own is not None else -1), str(root)
     finished = {}
     for path in ocp.path.step.checkpoint_steps_paths(root):
@@ -157,7 +159,21 @@ def resolve_step(directory: Any, step: int | None) -> tuple[int, str]:
             f"{expected} Received: step {step} of '{label}', whose items are "
             f"{_shown(items)}, not `{ITEM}`."
         )
+    _check_inside(str(root), str(step_dir), label)
     return step, str(step_dir)
+
+
+def _check_inside(root: str, step_dir: str, label: str) -> None:
+    """Refuses a local step whose files (the `pytree` item's, walked without
+    following links) resolve outside the checkpoint (`storage.names`)."""
+    if is_url(root):
+        return  # Orbax reads remote paths through its own store
+    item = os.path.join(step_dir, ITEM)
+    named = [os.path.relpath(item, root)]
+    for folder, subfolders, files in os.walk(item):
+        named += [os.path.relpath(os.path.join(folder, n), root) for n in subfolders + files]
+    for name in named:
+        local_path(root, name.replace(os.sep, "/"), source=f"the checkpoint '{label}'", error=CheckpointError)
 
 
 def stored_arrays(step_dir: str) -> list[Stored]:

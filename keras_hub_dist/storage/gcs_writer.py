@@ -64,6 +64,7 @@ from keras_hub_dist.errors import PresetError, SaveError
 from keras_hub_dist.storage import writer_base
 from keras_hub_dist.storage.object_stores import GcsStore
 from keras_hub_dist.storage.ranged_http import RangeClient
+from keras_hub_dist.storage.redaction import redact
 from keras_hub_dist.storage.writer_base import RESERVED, ObjectMeta, ObjectWriter, Upload
 
 __all__ = ["COMPOSE_LIMIT", "GcsWriter"]
@@ -104,7 +105,7 @@ class GcsWriter(ObjectWriter):
         try:
             response = self.client.request(method, url, self.store, headers, body=body)
         except PresetError as e:
-            raise SaveError(f"{_capital(what)} failed: {e}") from e
+            raise SaveError(f"{_capital(redact(what))} failed: {e}") from None
         if response.status in (401, 403):
             raise writer_base.refused(self, what, _describe(response),
                                       self.store.credential_source(), _PERMISSIONS, _HOW)
@@ -372,4 +373,4 @@ def _describe(response: Any) -> str:
         text = json.loads(text)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         pass
-    return f"HTTP {response.status}" + (f" ({text})" if text else "")
+    return redact(f"HTTP {response.status}" + (f" ({text})" if text else ""))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -42,6 +43,7 @@ from typing import Any
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError, RemoteDownloadWarning
 from keras_hub_dist.storage import host_io
+from keras_hub_dist.storage.names import check_asset_paths, check_name, create_staged, local_path
 from keras_hub_dist.storage.object_stores import REMOTE_SCHEMES, Store, open_store, parse_hub_location
 from keras_hub_dist.storage.ranged_http import RangeClient
 
@@ -51,6 +53,7 @@ __all__ = [
     "Location",
     "RemoteLocation",
     "WEIGHT_SUFFIXES",
+    "check_keras_hub_configs",
     "is_remote",
     "is_url",
     "open_location",
@@ -68,6 +71,26 @@ _KNOWN_SMALL_FILES = (
     "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "tekken.json",
     "model.safetensors.index.json", "model.weights.json",
 )
+
+
+# KerasHub's own configs of what it builds from a preset besides the backbone.
+_KERAS_HUB_CONFIGS = ("task.json", "preprocessor.json", "tokenizer.json")
+
+
+def check_keras_hub_configs(location: Location) -> None:
+    """Refuses a KerasHub preset whose task, preprocessor or tokenizer config
+    names a file for a tokenizer to open (`storage.names.check_asset_paths`),
+    before KerasHub's loaders see it. A Hugging Face `tokenizer.json` (no
+    `registered_name`) is KerasHub's converters' to read, not checked here."""
+    for name in _KERAS_HUB_CONFIGS:
+        if not location.has(name):
+            continue
+        try:
+            config = json.loads(location.read_bytes(name))
+        except ValueError:
+            continue  # KerasHub's own loader says what is wrong with it
+        if isinstance(config, dict) and "registered_name" in config:
+            check_asset_paths(config, source=location.path_of(name))
 
 
 def is_url(text: str) -> bool:
@@ -149,17 +172,26 @@ class LocalDirectory(Location):
     def path_of(self, name: str) -> str:
         return os.path.join(self.path, name)
 
+    def _file(self, name: str) -> str:
+        # Every file read goes through here: a valid name whose real path is
+        # inside the directory (`storage.names.local_path`).
+        return local_path(self.path, name, source=f"the checkpoint {self.path!r}")
+
     def has(self, name: str) -> bool:
-        return os.path.isfile(self.path_of(name))
+        return os.path.isfile(self._file(name))
 
     def read_bytes(self, name: str) -> bytes:
-        with open(self.path_of(name), "rb") as f:
+        with open(self._file(name), "rb") as f:
             return f.read()
 
     def open(self, name: str) -> host_io.LocalFile:
-        return host_io.LocalFile(self.path_of(name))
+        return host_io.LocalFile(self._file(name))
+
+    def local_copy(self, name: str) -> str:
+        return self._file(name)
 
     def keras_hub_dir(self) -> str:
+        check_keras_hub_configs(self)
         return self.path
 
     def listing(self) -> str:
@@ -178,10 +210,10 @@ class KerasHubHandle(Location):
         self._warned = False
 
     def path_of(self, name: str) -> str:
-        return _compat.preset_file(self.handle, name)
+        return _compat.preset_file(self.handle, check_name(name, source=self.label))
 
     def has(self, name: str) -> bool:
-        return _compat.preset_has_file(self.handle, name)
+        return _compat.preset_has_file(self.handle, check_name(name, source=self.label))
 
     def read_bytes(self, name: str) -> bytes:
         with open(self.path_of(name), "rb") as f:
@@ -202,6 +234,7 @@ class KerasHubHandle(Location):
         return host_io.LocalFile(self.path_of(name))
 
     def keras_hub_dir(self) -> str:
+        check_keras_hub_configs(self)
         return self.handle
 
 
@@ -231,6 +264,7 @@ class RemoteLocation(Location):
         return f"{self.location}/{name}"
 
     def _stat(self, name: str) -> Any:
+        check_name(name, source=self.location)
         if name not in self._stats:
             self._stats[name] = self.store.stat(name)
         return self._stats[name]
@@ -247,7 +281,7 @@ class RemoteLocation(Location):
         )
 
     def read_bytes(self, name: str) -> bytes:
-        cached = self.store.cached(name)
+        cached = self.store.cached(check_name(name, source=self.location))
         if cached is not None:
             with open(cached, "rb") as f:
                 return f.read()
@@ -259,7 +293,7 @@ class RemoteLocation(Location):
         return self._small[name]
 
     def open(self, name: str) -> Any:
-        cached = self.store.cached(name)
+        cached = self.store.cached(check_name(name, source=self.location))
         if cached is not None:  # the same version, already on this host
             return host_io.LocalFile(cached)
         info = self._stat(name)
@@ -281,34 +315,50 @@ class RemoteLocation(Location):
         return ", ".join(shown) + (f", ... ({len(names)} files)" if len(names) > 30 else "") or "no files"
 
     def local_copy(self, name: str) -> str:
-        path = os.path.join(self.keras_hub_dir(), name)
-        if not os.path.isfile(path):
-            with open(path, "wb") as f:
-                f.write(self.read_bytes(name))
-        return path
+        folder = self.keras_hub_dir()
+        path = local_path(folder, name, source=self.location)
+        if os.path.isfile(path) and not os.path.islink(path):
+            return path  # staged by an earlier load of the same contents
+        return create_staged(folder, name, self.read_bytes(name), source=self.location)
 
     def keras_hub_dir(self) -> str:
         """A local directory with every file of the location that is not a
-        weight file, fetched once (for KerasHub's task and tokenizer loaders)."""
+        weight file, fetched once (for KerasHub's task and tokenizer loaders).
+
+        Every listed name is checked first (`storage.names`: a key such as
+        `prefix//etc/x` or `prefix/../x` is refused), and each file is
+        created inside the folder only, never replacing what is there."""
         if self._staged is not None:
             return self._staged
+        check_keras_hub_configs(self)
         names = self._names()
         if names is None:
             names = [n for n in _KNOWN_SMALL_FILES if self.has(n)]
+        # A key ending in '/' (or the prefix itself) is a folder marker that
+        # consoles create, not a file.
+        names = [n for n in names if n and not n.endswith("/")]
+        for name in names:
+            check_name(name, source=f"the listing of {self.location}")
         names = [n for n in names if not n.endswith(WEIGHT_SUFFIXES)]
+        with ThreadPoolExecutor(min(8, max(1, len(names)))) as pool:
+            contents = list(pool.map(self.read_bytes, names))
         if self._cache_dir:
-            key = hashlib.sha256(self.location.encode()).hexdigest()[:16]
-            folder = os.path.join(self._cache_dir, key)
+            # Named by the contents too: a folder holds one version of the
+            # files, so a file found there is never rewritten.
+            digest = hashlib.sha256(self.location.encode())
+            for name, data in sorted(zip(names, contents)):
+                digest.update(b"\0%s\0%s" % (name.encode(), hashlib.sha256(data).digest()))
+            folder = os.path.join(self._cache_dir, digest.hexdigest()[:16])
             os.makedirs(folder, exist_ok=True)
         else:
             folder = tempfile.mkdtemp(prefix="keras_hub_dist-")
-        with ThreadPoolExecutor(min(8, max(1, len(names)))) as pool:
-            contents = list(pool.map(self.read_bytes, names))
         for name, data in zip(names, contents):
-            path = os.path.join(folder, name)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(data)
+            path = local_path(folder, name, source=self.location)
+            if self._cache_dir and os.path.isfile(path) and not os.path.islink(path):
+                with open(path, "rb") as f:
+                    if f.read() == data:
+                        continue
+            create_staged(folder, name, data, source=self.location)
         self._small = {n: d for n, d in self._small.items() if n not in names}
         self._staged = folder
         return folder

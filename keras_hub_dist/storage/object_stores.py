@@ -44,6 +44,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from keras_hub_dist.errors import PresetError
+from keras_hub_dist.storage.names import remote_key
+from keras_hub_dist.storage.redaction import redact, remember
 from keras_hub_dist.storage.ranged_http import ObjectInfo, RangeClient
 
 __all__ = ["REMOTE_SCHEMES", "Store", "open_store", "parse_hub_location"]
@@ -102,16 +104,16 @@ class Store:
         if 200 <= response.status < 300:
             return
         if response.status in (401, 403):
-            raise PresetError(
+            raise PresetError(redact(
                 f"Access to {url} was refused (HTTP {response.status}, {method}). "
                 f"Credentials used: {self.credential_source()}. Expected read access "
                 f"to {self.location}. Grant it, or provide other credentials."
-            )
-        raise PresetError(
+            ))
+        raise PresetError(redact(
             f"{method} {url} answered HTTP {response.status}: "
             f"{_body_excerpt(response)}. Expected the object store to serve "
             f"{self.location}. Check the location and the endpoint."
-        )
+        ))
 
 
 def _body_excerpt(response: Any) -> str:
@@ -120,7 +122,9 @@ def _body_excerpt(response: Any) -> str:
 
 
 def _join(prefix: str, name: str) -> str:
-    return f"{prefix.strip('/')}/{name}" if prefix.strip("/") else name
+    # Every key asked of a store is checked here: a name from a listing or an
+    # index never reaches outside the prefix (`storage.names`).
+    return remote_key(prefix, name, source=f"a file of the prefix {prefix.strip('/')!r}")
 
 
 class HttpStore(Store):
@@ -132,7 +136,7 @@ class HttpStore(Store):
         self.base = location.rstrip("/")
 
     def url(self, name: str) -> str:
-        return f"{self.base}/{urllib.parse.quote(name)}"
+        return f"{self.base}/{urllib.parse.quote(_join('', name))}"
 
 
 class S3Store(Store):
@@ -172,7 +176,9 @@ class S3Store(Store):
         from botocore.awsrequest import AWSRequest
 
         request = AWSRequest(method=method, url=url, headers=dict(headers))
-        S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self.region).add_auth(request)
+        frozen = self._credentials.get_frozen_credentials()
+        remember(frozen.secret_key, frozen.token)  # never shown in a message
+        S3SigV4Auth(frozen, "s3", self.region).add_auth(request)
         return {k: v for k, v in request.headers.items() if k not in headers}
 
     def credential_source(self) -> str:
@@ -263,6 +269,7 @@ class GcsStore(Store):
                 import google.auth.transport.requests
 
                 self._credentials.refresh(google.auth.transport.requests.Request())
+            remember(self._credentials.token)
             return {"Authorization": f"Bearer {self._credentials.token}"}
 
     def credential_source(self) -> str:
@@ -320,6 +327,7 @@ class HubStore(Store):
         self.repo, self.revision, self.prefix = parse_hub_location(location)
         self.endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
         self._token = huggingface_hub.get_token()
+        remember(self._token)
         self._token_source = (
             "HF_TOKEN from the environment" if os.environ.get("HF_TOKEN")
             else "the token saved by `hf auth login`" if self._token else
@@ -332,13 +340,13 @@ class HubStore(Store):
         url = f"{self.endpoint}/api/models/{self.repo}/revision/{quoted}"
         response = self.client.request("GET", url, self)
         if response.status in (401, 403, 404):
-            raise PresetError(
+            raise PresetError(redact(
                 f"The Hub has no model {self.repo!r} at revision {self.revision!r} that "
                 f"these credentials can read (HTTP {response.status} from {url}). "
                 f"Credentials used: {self._token_source}. Expected an existing model "
                 "repository; check the name and revision, or set HF_TOKEN for a "
                 "gated or private model."
-            )
+            ))
         self._raise_for(response, "GET", url)
         info = json.loads(response.data)
         siblings = [s["rfilename"] for s in info.get("siblings", [])]

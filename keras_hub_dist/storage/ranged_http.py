@@ -74,11 +74,10 @@ from typing import Any, Protocol
 import urllib3
 
 from keras_hub_dist.errors import PresetError
+from keras_hub_dist.storage.redaction import SECRET_HEADERS, redact
 
-__all__ = [
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_CONCURRENCY", "ObjectInfo", "RangeClient", "RemoteFile",
-    "RetryPolicy", "SOURCE_ADDRESS_ENV",
-]
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_CONCURRENCY", "ObjectInfo", "RangeClient", "RemoteFile",
+           "RetryPolicy", "SOURCE_ADDRESS_ENV"]
 
 # Measured on the loopback probe (BENCHMARKS.md): 16 connections of 16 MiB
 # requests saturate a link where one connection gets 50 MB/s, and keep the
@@ -287,11 +286,12 @@ class RangeClient:
             if response.status not in _RETRY_STATUSES:
                 return response
             cause = _Retryable(f"HTTP {response.status}", _retry_after(response))
-        raise PresetError(
+        # `from None`: the cause's text is in the message, redacted.
+        raise PresetError(redact(
             f"{method} {url} failed {self.retry.attempts} times; the last answer: "
             f"{_describe(cause)}. Expected the server to answer. Check the endpoint "
             "and the network, or retry later."
-        ) from cause
+        )) from None
 
     def send_once(self, method: str, url: str, headers: Mapping[str, Any], body: Any = None,
                   chunked: bool = False) -> Any:
@@ -357,18 +357,18 @@ def _version() -> str:
 
 
 def _follow(redirect: bool) -> urllib3.Retry:
-    """urllib3's own retries off (ours resume mid-body); redirects followed
-    (dropping `Authorization` on a change of host, urllib3's default)."""
+    """urllib3's own retries off (ours resume mid-body); redirects followed,
+    dropping every credential header on a change of host (urllib3's default
+    keeps SigV4's `X-Amz-Security-Token`: `redaction.SECRET_HEADERS`)."""
     return urllib3.Retry(
         total=None, connect=0, read=0, status=0, other=0,
         redirect=5 if redirect else 0, raise_on_redirect=False,
+        remove_headers_on_redirect=SECRET_HEADERS,
     )
 
 
 def _describe(error: BaseException | None) -> str:
-    if isinstance(error, _Retryable):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
+    return redact(error if isinstance(error, _Retryable) else f"{type(error).__name__}: {error}")
 
 
 class RemoteFile:
@@ -451,13 +451,13 @@ class RemoteFile:
                 on_read(received, 1)
             if cause is None:
                 return
-        raise PresetError(
+        raise PresetError(redact(
             f"Fetching bytes {start + done}:{start + total} of {self.name} ({self.info.url}) "
             f"failed {retry.attempts} times; the last answer: {_describe(cause)}. "
             f"{done} of the {total} bytes asked for arrived. Expected the server to "
             "serve the range. Check the endpoint and the network, or retry later "
             "(the load can be started again: nothing was left on the devices)."
-        ) from cause
+        )) from None
 
     def _fetch_once(self, start: int, buffers: list[memoryview]) -> int:
         """One request for the bytes of `buffers` at `start`; returns the
@@ -503,7 +503,7 @@ class RemoteFile:
         """Raises unless `response` serves exactly bytes `start..end` of the
         object as it was when opened."""
         status = response.status
-        where = f"bytes {start}:{end + 1} of {self.name} ({self.info.url})"
+        where = redact(f"bytes {start}:{end + 1} of {self.name} ({self.info.url})")
         if status in _RETRY_STATUSES:
             response.drain_conn()
             raise _Retryable(f"HTTP {status}", _retry_after(response))

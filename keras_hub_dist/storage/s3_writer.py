@@ -60,6 +60,7 @@ from keras_hub_dist.errors import PresetError, SaveError
 from keras_hub_dist.storage import writer_base
 from keras_hub_dist.storage.object_stores import S3Store
 from keras_hub_dist.storage.ranged_http import RangeClient
+from keras_hub_dist.storage.redaction import redact
 from keras_hub_dist.storage.writer_base import ObjectMeta, ObjectWriter, Upload
 
 __all__ = ["S3Writer"]
@@ -163,7 +164,7 @@ class S3Writer(ObjectWriter):
             raise _ClientFailure(e) from e
         except BotoCoreError as e:
             raise SaveError(
-                f"{operation} of {what} failed after {self.client.retry.attempts} tries: {e}. "
+                f"{operation} of {what} failed after {self.client.retry.attempts} tries: {redact(e)}. "
                 f"Expected the S3 endpoint ({self.endpoint or 'AWS'}) to answer. Check "
                 "AWS_ENDPOINT_URL and the network, or retry later."
             ) from e
@@ -283,13 +284,13 @@ class S3Writer(ObjectWriter):
         try:
             response = self.client.request("PUT", url, signer, headers, body=view)
         except PresetError as e:  # what the client's retries could not pass
-            raise SaveError(f"Uploading {where} failed: {e}") from e
+            raise SaveError(f"Uploading {redact(where)} failed: {e}") from None
         if response.status == 200:
             return response.headers["ETag"]
         failure = _ClientFailure.of_response(response)
         if failure.code == "NoSuchUpload":
             raise writer_base.no_upload(self, name, upload_id, f"upload part {number} into")
-        raise self._failed(failure, "UploadPart", where)
+        raise self._failed(failure, "UploadPart", redact(where))
 
     def complete_upload(self, name: str, upload_id: str, parts: Sequence[tuple[int, str]]) -> None:
         parts = writer_base.check_parts(self, name, parts)
@@ -367,7 +368,7 @@ class _ClientFailure(Exception):
         return cls(status=response.status, code=code, message=message)
 
     def describe(self) -> str:
-        return f"HTTP {self.status} {self.code}" + (f" ({self.message})" if self.message else "")
+        return redact(f"HTTP {self.status} {self.code}" + (f" ({self.message})" if self.message else ""))
 
 
 class _BodySigner:
