@@ -69,7 +69,7 @@ from keras_hub_dist.load.report import LoadReport
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.load.source import PresetSource, read_config, read_metadata, resolve_source
 from keras_hub_dist.load.generate import DEFAULT_PROMPT_CHUNK, check_prompt_chunk, shard_generate
-from keras_hub_dist.load.tasks import build_task, task_class
+from keras_hub_dist.load.tasks import build_task, check_classes, task_class
 from keras_hub_dist.measure.memory import MemorySampler
 from keras_hub_dist.plan.build import build_without_values, remat_scope
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
@@ -369,9 +369,10 @@ def _load_from(
     metadata = read_metadata(location)
     task_cls = task_class(options.task, backbone_cls, metadata, source.label) if options.task else None
     if task_cls is not None:
-        # Staged (and every listed name and tokenizer path checked) before
-        # any device memory is used; `build_task` reuses it.
+        # Staged (and every listed name, tokenizer path and class checked)
+        # before any device memory is used; `build_task` reuses it.
         location.keras_hub_dir()
+        check_classes(location)
     if mesh is None and isinstance(layout_map, keras.distribution.LayoutMap):
         device_mesh = layout_map.device_mesh
     else:

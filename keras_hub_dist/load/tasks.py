@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -11,9 +12,15 @@ import keras
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.storage.locations import Location
 
-__all__ = ["build_task", "task_class"]
+__all__ = ["build_task", "check_classes", "task_class"]
 
 TASK_WEIGHTS_FILE = "task.weights.h5"
+# What KerasHub builds from a preset beside the backbone, each a serialized
+# Keras object.
+_TASK_CONFIGS = ("task.json", "preprocessor.json", "tokenizer.json")
+# The only packages Keras's deserialization imports a class from by its
+# `module` (keras.src.saving.serialization_lib._retrieve_class_or_fn).
+_IMPORTED_PACKAGES = ("keras", "keras_hub", "keras_cv", "keras_nlp")
 
 
 def _snake(name: str) -> str:
@@ -56,6 +63,46 @@ def task_class(task: Any, backbone_cls: type, metadata: Mapping[str, Any], label
             f"{[_snake(t) for t in listed] or 'none listed'}. Received: task={task!r}."
         )
     return cls
+
+
+def check_classes(location: Location) -> None:
+    """Refuses a task, preprocessor or tokenizer config naming a class that
+    is neither registered with Keras nor of Keras / KerasHub, before
+    KerasHub's loaders see it (Keras would not import it either: this says
+    so first, as a `PresetError`). No module is imported here; what is
+    built is built by Keras inside its safe mode, which this package never
+    turns off."""
+    for name in _TASK_CONFIGS:
+        if not location.has(name):
+            continue
+        try:
+            config = json.loads(location.read_bytes(name))
+        except ValueError:
+            continue  # KerasHub's own loader says what is wrong with it
+        if not (isinstance(config, dict) and "registered_name" in config):
+            continue  # a Hugging Face tokenizer.json: read by the converters
+        stack: list[Any] = [config]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, list):
+                stack.extend(node)
+            if not isinstance(node, dict):
+                continue
+            stack.extend(node.values())
+            module, registered = node.get("module"), node.get("registered_name")
+            if "class_name" not in node or not isinstance(module, str):
+                continue
+            if module.split(".")[0] in _IMPORTED_PACKAGES or (
+                isinstance(registered, str) and keras.saving.get_registered_object(registered) is not None
+            ):
+                continue
+            raise PresetError(
+                f"{location.path_of(name)} names the class {node['class_name']!r} of module "
+                f"{module!r} (registered_name={registered!r}). Expected a class registered "
+                "with Keras (keras.saving.register_keras_serializable) or one of Keras / "
+                "KerasHub. Received: neither; nothing was imported. Import the package "
+                "that registers it first if you trust it, or do not load this preset."
+            )
 
 
 def build_task(
