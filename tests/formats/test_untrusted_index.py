@@ -163,3 +163,39 @@ def test_hf_cache_snapshot_links_into_its_blobs_load_byte_identical(hf_dir, tmp_
     with pytest.raises(PresetError, match="outside the checkpoint"):
         load_sharded_preset("hf://someone/tiny-llama", mesh=(2, 4), progress=False)
     keras.distribution.set_distribution(None)
+
+
+@pytest.mark.parametrize("linked", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_peft_adapter_file_symlinked_outside_is_refused(hf_dir, tmp_path, clean_state, linked):
+    import safetensors.numpy
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "bias": "none"}))
+    safetensors.numpy.save_file(
+        {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((2, 64), np.float32)},
+        str(adapter / "adapter_model.safetensors"))
+    shutil.move(adapter / linked, tmp_path / linked)
+    os.symlink(tmp_path / linked, adapter / linked)
+    with clean_state(), pytest.raises(PresetError, match="outside the checkpoint") as info:
+        load_sharded_preset(hf_dir, mesh=(1, 8), progress=False, lora_adapter=str(adapter))
+    assert linked in str(info.value)
+
+
+@pytest.mark.parametrize("linked", ["pytree", "pytree/manifest.ocdbt"])
+def test_an_orbax_step_reaching_outside_through_a_symlink_is_refused(tmp_path, linked):
+    pytest.importorskip("orbax.checkpoint")
+    from keras_hub_dist import CheckpointError
+    from keras_hub_dist.load import orbax_checkpoint
+
+    step = tmp_path / "ckpt" / "3"
+    (step / "pytree").mkdir(parents=True)
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    (step / "pytree" / "manifest.ocdbt").write_bytes(b"")
+    outside = tmp_path / "outside" / linked
+    outside.parent.mkdir(parents=True)
+    shutil.move(step / linked, outside)
+    os.symlink(outside, step / linked)
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        orbax_checkpoint.resolve_step(str(step), None)
