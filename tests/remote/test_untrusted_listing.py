@@ -103,3 +103,25 @@ def test_an_index_naming_a_key_outside_the_prefix_is_refused(escaping_index, rem
         load_sharded_preset(f"{remote.url}/ckpt", mesh=(1, 8), progress=False)
     assert "model.safetensors.index.json" in str(info.value)
     assert not remote.requests(f"other/{SHARD}")  # never asked for
+
+
+def test_the_staging_cache_is_reused_and_never_written_through_a_planted_link(preset, range_server, tmp_path):
+    from keras_hub_dist.storage.locations import RemoteLocation
+    from keras_hub_dist.storage.ranged_http import RangeClient
+
+    range_server.put_dir(preset, "ckpt")
+    url, cache = f"{range_server.url}/ckpt", tmp_path / "cache"
+    with RangeClient() as client:
+        with RemoteLocation(url, client, cache_dir=str(cache)) as first:
+            folder = first.keras_hub_dir()
+        with RemoteLocation(url, client, cache_dir=str(cache)) as again:  # the same files: reused
+            assert again.keras_hub_dir() == folder
+        assert open(os.path.join(folder, "config.json"), "rb").read() == open(
+            os.path.join(preset, "config.json"), "rb").read()
+        os.remove(os.path.join(folder, "config.json"))
+        target = tmp_path / "target"
+        os.symlink(target, os.path.join(folder, "config.json"))  # planted by someone else
+        with RemoteLocation(url, client, cache_dir=str(cache)) as planted:
+            with pytest.raises(PresetError, match="exists there already"):
+                planted.keras_hub_dir()
+    assert not target.exists()
