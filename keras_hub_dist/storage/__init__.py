@@ -10,6 +10,10 @@
   into host buffers;
 - `object_stores`: S3, GCS, the Hugging Face Hub and plain HTTP: addressing,
   credentials, listing.
+- `names`: every name a checkpoint gives (index entries, listed keys,
+  tokenizer paths) checked before any read or write, local reads kept
+  inside the checkpoint, staged files created inside their folder only;
+- `redaction` (`redact`): no secret in an error, a warning or a log;
 - `uploads` (`open_writer`): writing a preset into S3 or GCS: small objects
   whole, large ones by multipart upload (`writer_base.ObjectWriter`; S3's
   own in `s3_writer`, GCS's made of `compose` in `gcs_writer`).

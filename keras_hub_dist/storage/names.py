@@ -112,7 +112,9 @@ def _hub_blobs(root: str) -> str | None:
     parts = os.path.abspath(root).split(os.sep)
     for i in range(len(parts) - 2, 0, -1):
         if parts[i] == "snapshots" and parts[i - 1].startswith(("models--", "datasets--", "spaces--")):
-            return os.path.realpath(os.sep.join(parts[:i] + ["blobs"]))
+            blobs = os.path.join(os.path.realpath(os.sep.join(parts[:i])), "blobs")
+            # `blobs` itself a link (to `/`, say) would let every link in.
+            return blobs if os.path.realpath(blobs) == blobs else None
     return None
 
 

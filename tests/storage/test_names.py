@@ -71,3 +71,13 @@ def test_local_paths_resolve_inside_the_root_or_the_hub_blobs(tmp_path):
     os.symlink(tmp_path / "models--o--n" / "blobs" / "h", plain / "config.json")
     with pytest.raises(PresetError, match="outside the checkpoint"):  # not a snapshot
         names.local_path(str(plain), "config.json", source="s")
+
+
+def test_a_hub_cache_whose_blobs_folder_is_a_link_gets_no_exception(tmp_path):
+    repo = tmp_path / "models--o--n"
+    root = repo / "snapshots" / "rev"
+    root.mkdir(parents=True)
+    os.symlink("/", repo / "blobs")
+    os.symlink("../../blobs/etc/hostname", root / "config.json")
+    with pytest.raises(PresetError, match="outside the checkpoint"):
+        names.local_path(str(root), "config.json", source="s")
