@@ -188,6 +188,7 @@ def test_a_presigned_url_in_a_connection_error_is_redacted(s3_with_session):
     ("x-amz-security-token:IQoJb3JpZ2luX2VjEXAMPLE\nhost:b", "IQoJb3JpZ2luX2VjEXAMPLE"),
     ("<SignatureProvided>abcdef0123</SignatureProvided>", "abcdef0123"),
     (f"token {HF_TOKEN} refused", HF_TOKEN[3:]),
+    ("GET https://user:s3cretpass@models.example.com/x failed", "s3cretpass"),
 ])
 def test_redact_removes_each_kind_of_secret(text, secret):
     assert secret not in redaction.redact(text)

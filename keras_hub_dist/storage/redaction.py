@@ -14,7 +14,8 @@ What it removes (each replaced by `[REDACTED]`):
   query parameters (`X-Amz-Signature`, `X-Amz-Security-Token`,
   `X-Goog-Signature`, `Signature`, `token`, GCS's resumable `upload_id`),
   `<SignatureProvided>` in S3 error bodies, Hugging Face tokens (`hf_...`)
-  and Google OAuth access tokens (`ya29....`).
+  Google OAuth access tokens (`ya29....`) and the password of a URL's
+  user info (`https://user:password@host`).
 
 Example:
 
@@ -58,6 +59,8 @@ _PATTERNS = (
      rf"\1{MASK}"),
     (re.compile(r"\b(hf|api_org)_[A-Za-z0-9]{20,}"), rf"\1_{MASK}"),
     (re.compile(r"\bya29\.[\w\-.]+"), MASK),
+    # A password in a URL's user info (`https://user:password@host/`).
+    (re.compile(r"(://[^/\s:@]*):[^/\s@]+@"), rf"\1:{MASK}@"),
 )
 _known: set[str] = set()
 _lock = threading.Lock()
