@@ -316,10 +316,7 @@ class RemoteLocation(Location):
 
     def local_copy(self, name: str) -> str:
         folder = self.keras_hub_dir()
-        data = self.read_bytes(name)
-        if _staged_before(folder, check_name(name, source=self.location), data):
-            return os.path.join(folder, name)
-        return create_staged(folder, name, data, source=self.location)
+        return create_staged(folder, name, self.read_bytes(name), source=self.location)
 
     def keras_hub_dir(self) -> str:
         """A local directory with every file of the location that is not a
@@ -353,8 +350,7 @@ class RemoteLocation(Location):
         else:
             folder = tempfile.mkdtemp(prefix="keras_hub_dist-")
         for name, data in zip(names, contents):
-            if not (self._cache_dir and _staged_before(folder, name, data)):
-                create_staged(folder, name, data, source=self.location)
+            create_staged(folder, name, data, source=self.location)
         self._small = {n: d for n, d in self._small.items() if n not in names}
         self._staged = folder
         return folder
@@ -363,16 +359,6 @@ class RemoteLocation(Location):
         if self._staged is not None and not self._cache_dir:
             shutil.rmtree(self._staged, ignore_errors=True)
         self._staged = None
-
-
-def _staged_before(folder: str, name: str, data: bytes) -> bool:
-    """Whether an earlier load staged exactly `data` as `name` in `folder`:
-    a plain file there, reached through no link."""
-    path = os.path.join(folder, name)
-    if os.path.realpath(path) != os.path.join(os.path.realpath(folder), name) or not os.path.isfile(path):
-        return False
-    with open(path, "rb") as f:
-        return f.read() == data
 
 
 def open_location(

@@ -37,6 +37,9 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import stat
+import uuid
+from typing import Any
 
 from keras_hub_dist.errors import PresetError
 
@@ -167,19 +170,19 @@ def create_staged(folder: str, name: str, data: bytes, *, source: str) -> str:
     the subfolders it needs; returns its path.
 
     Nothing outside `folder` is touched: each subfolder is opened relative to
-    the one above without following a symlink, and the file is created
-    `O_CREAT | O_EXCL | O_NOFOLLOW` (an existing file or link of that name is
-    never replaced).
+    the one above without following a symlink, and the file is written under
+    a fresh name (`O_CREAT | O_EXCL | O_NOFOLLOW`), then linked to `name`
+    whole, which never replaces what is there. A plain file of `name` holding
+    exactly `data` (an earlier load's, or another process's racing this one)
+    is kept; anything else there is refused.
 
     Raises:
         PresetError: The name breaks a rule, a subfolder is a symlink, or
-            the file exists already.
+            something else than `data` exists as `name`.
     """
     check_name(name, source=source)
     *subfolders, leaf = name.split("/")
-    nofollow = getattr(os, "O_NOFOLLOW", 0)
-    directory = getattr(os, "O_DIRECTORY", 0)
-    fd = os.open(folder, os.O_RDONLY | directory)
+    fd = os.open(folder, os.O_RDONLY | _DIRECTORY)
     try:
         for part in subfolders:
             try:
@@ -187,20 +190,53 @@ def create_staged(folder: str, name: str, data: bytes, *, source: str) -> str:
             except FileExistsError:
                 pass
             try:
-                below = os.open(part, os.O_RDONLY | directory | nofollow, dir_fd=fd)
+                below = os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW, dir_fd=fd)
             except OSError as e:
                 raise _staging_refused(folder, name, source, f"its folder {part!r} is not a plain folder ({e.strerror})") from None
             os.close(fd)
             fd = below
-        try:
-            out = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | nofollow, 0o644, dir_fd=fd)
-        except FileExistsError:
-            raise _staging_refused(folder, name, source, "a file or link of that name exists there already") from None
-        with os.fdopen(out, "wb") as f:
-            f.write(data)
+        if not _holds(fd, leaf, data):
+            _write_new(fd, leaf, data, lambda why: _staging_refused(folder, name, source, why))
     finally:
         os.close(fd)
     return os.path.join(folder, name)
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_EXISTS = "a link, or a file with other bytes, of that name exists there already"
+
+
+def _holds(fd: int, leaf: str, data: bytes) -> bool:
+    """Whether `leaf` (in folder `fd`) is a plain file holding `data`."""
+    try:
+        opened = os.open(leaf, os.O_RDONLY | _NOFOLLOW, dir_fd=fd)
+    except OSError:  # none, or a link (ELOOP)
+        return False
+    with os.fdopen(opened, "rb") as f:
+        return stat.S_ISREG(os.fstat(f.fileno()).st_mode) and f.read(len(data) + 1) == data
+
+
+def _write_new(fd: int, leaf: str, data: bytes, refused: Any) -> None:
+    temporary = f".{leaf}.{uuid.uuid4().hex}.part"
+    out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=fd)
+    try:
+        with os.fdopen(out, "wb") as f:
+            f.write(data)
+        try:
+            os.link(temporary, leaf, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+        except FileExistsError:
+            if not _holds(fd, leaf, data):  # another process's same bytes pass
+                raise refused(_EXISTS) from None
+        except OSError:  # a filesystem without hard links: create it directly
+            try:
+                out = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=fd)
+            except FileExistsError:
+                raise refused(_EXISTS) from None
+            with os.fdopen(out, "wb") as f:
+                f.write(data)
+    finally:
+        os.unlink(temporary, dir_fd=fd)
 
 
 def _staging_refused(folder: str, name: str, source: str, why: str) -> PresetError:

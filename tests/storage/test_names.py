@@ -44,6 +44,8 @@ def test_staged_files_are_created_inside_only(tmp_path):
     assert open(path, "rb").read() == b"abc" and path == str(folder / "assets/tokenizer/v.spm")
     with pytest.raises(PresetError, match="exists there already"):  # never replaced
         names.create_staged(str(folder), "assets/tokenizer/v.spm", b"other", source="s3://b/p")
+    assert names.create_staged(str(folder), "assets/tokenizer/v.spm", b"abc", source="s3://b/p") == path
+    assert sorted(os.listdir(folder / "assets/tokenizer")) == ["v.spm"]  # no temporary left
     outside = tmp_path / "outside"
     outside.mkdir()
     os.symlink(outside, folder / "linked")  # a folder planted as a link
