@@ -151,6 +151,7 @@ def test_hf_cache_snapshot_links_into_its_blobs_load_byte_identical(hf_dir, tmp_
     keras.distribution.set_distribution(None)
     local = load_sharded_preset(hf_dir, mesh=(2, 4), progress=False)
     keras.distribution.set_distribution(None)
+    assert len(cached.weights) == len(local.weights) > 0
     for a, b in zip(cached.weights, local.weights):
         assert np.asarray(a.value).tobytes() == np.asarray(b.value).tobytes(), a.path
     # A link of that snapshot to another repository's blobs is refused.
