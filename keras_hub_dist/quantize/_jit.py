@@ -70,12 +70,11 @@ def keys_down_columns(keys, first, block, low, high):
 
 
 @_jit
-def int4_value(x, s, z, vmin, vmax):
-    """`x / scale`, rounded, plus the zero point, clipped to `vmin..vmax`.
-    `x / scale` is first clamped to +-(vmax - vmin + 1): integers past any
-    value that can land inside the range once a zero point in it is added."""
+def int4_from_quotient(q, z, vmin, vmax):
+    """`q = x / scale`, rounded, plus the zero point, clipped to `vmin..vmax`.
+    `q` is first clamped to +-(vmax - vmin + 1): integers past any value
+    that can land inside the range once a zero point in it is added."""
     bound = vmax - vmin + np.float32(1.0)
-    q = x / s
     q = -bound if q < -bound else q
     q = bound if q > bound else q
     v = ((q + _MAGIC) - _MAGIC) + z
@@ -85,13 +84,24 @@ def int4_value(x, s, z, vmin, vmax):
 
 
 @_jit
-def int4_row(x, g_scale, g_zero, per_column, first, block, vmin, vmax, out):
+def int4_row(x_bits, round_step, g_scale, g_zero, per_column, first, block, vmin, vmax, out):
     """One row's int4 values (int32): scales per column (`per_column`:
-    the row's group's) or per group of `block` columns of the row."""
+    the row's group's) or per group of `block` columns of the row. The
+    row (float32 bits) is scratch: with `round_step` the quotients are
+    written there and rounded to bfloat16 before the rest (two passes,
+    each one LLVM vectorizes)."""
+    x = x_bits.view(np.float32)
     cols = x.shape[0]
     if per_column:
+        if round_step:
+            for j in range(cols):
+                x[j] = x[j] / g_scale[j]
+            row_floats(x_bits, True, x_bits)
+            for j in range(cols):
+                out[j] = int4_from_quotient(x[j], g_zero[j], vmin, vmax)
+            return
         for j in range(cols):
-            out[j] = int4_value(x[j], g_scale[j], g_zero[j], vmin, vmax)
+            out[j] = int4_from_quotient(x[j] / g_scale[j], g_zero[j], vmin, vmax)
         return
     c = 0
     while c < cols:
@@ -99,18 +109,25 @@ def int4_row(x, g_scale, g_zero, per_column, first, block, vmin, vmax, out):
         end = min(cols, (g + 1) * block - first)
         s, z = g_scale[g - first // block], g_zero[g - first // block]
         xs, outs = x[c:end], out[c:end]  # from 0: LLVM vectorizes this loop
-        for j in range(xs.shape[0]):
-            outs[j] = int4_value(xs[j], s, z, vmin, vmax)
+        if round_step:
+            for j in range(xs.shape[0]):
+                xs[j] = xs[j] / s
+            row_floats(x_bits[c:end], True, x_bits[c:end])
+            for j in range(xs.shape[0]):
+                outs[j] = int4_from_quotient(xs[j], z, vmin, vmax)
+        else:
+            for j in range(xs.shape[0]):
+                outs[j] = int4_from_quotient(xs[j] / s, z, vmin, vmax)
         c = end
 
 
 @_jit
-def int4_values(bits, round_bf16, group_axis, first, block, scale, zero, vmin, vmax, pack_axis, out):
+def int4_values(bits, round_bf16, round_step, group_axis, first, block, scale, zero, vmin, vmax, pack_axis, out):
     """The int4 values of a block (bits of float32, rounded to bfloat16 if
-    asked), packed two per byte along `pack_axis` into `out`."""
+    asked; quotients rounded to bfloat16 if `round_step`), packed two per
+    byte along `pack_axis` into `out`."""
     rows, cols = bits.shape
     buf = np.empty(cols, np.uint32)
-    x = buf.view(np.float32)
     cur = np.empty(cols, np.int32)
     prev = np.zeros(cols, np.int32)
     g0 = first // block
@@ -118,9 +135,9 @@ def int4_values(bits, round_bf16, group_axis, first, block, scale, zero, vmin, v
         row_floats(bits[i], round_bf16, buf)
         if group_axis == 0:
             g = (first + i) // block - g0
-            int4_row(x, scale[g], zero[g], True, 0, block, vmin, vmax, cur)
+            int4_row(buf, round_step, scale[g], zero[g], True, 0, block, vmin, vmax, cur)
         else:
-            int4_row(x, scale[i], zero[i], False, first, block, vmin, vmax, cur)
+            int4_row(buf, round_step, scale[i], zero[i], False, first, block, vmin, vmax, cur)
         if pack_axis == 1:
             dst = out[i]
             for j in range(cols // 2):
@@ -140,19 +157,35 @@ def int4_values(bits, round_bf16, group_axis, first, block, scale, zero, vmin, v
 
 
 @_jit
-def int8_values(bits, round_bf16, scale, per_column, lo, hi, out):
+def int8_values(bits, round_bf16, round_step, scale, per_column, lo, hi, out):
     """`rint(x * scale)` clipped to `lo..hi` (`per_column`: scale per
-    column, else per row); clipping first is the same (integer ends)."""
+    column, else per row); clipping first is the same (integer ends). With
+    `round_step` each product is rounded to bfloat16 first (in the row's
+    scratch, a pass of its own)."""
     rows, cols = bits.shape
     buf = np.empty(cols, np.uint32)
     x = buf.view(np.float32)
     for i in range(rows):
         row_floats(bits[i], round_bf16, buf)
         dst = out[i]
+        if round_step:
+            if per_column:
+                for j in range(cols):
+                    x[j] = x[j] * scale[j]
+            else:
+                s = scale[i]
+                for j in range(cols):
+                    x[j] = x[j] * s
+            row_floats(buf, True, buf)
+            for j in range(cols):
+                y = x[j]
+                y = lo if y < lo else y
+                y = hi if y > hi else y
+                dst[j] = np.int8((y + _MAGIC) - _MAGIC)
+            continue
         for j in range(cols):
             s = scale[j] if per_column else scale[i]
             y = x[j] * s
             y = lo if y < lo else y
             y = hi if y > hi else y
             dst[j] = np.int8((y + _MAGIC) - _MAGIC)
-

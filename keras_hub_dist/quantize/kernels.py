@@ -144,26 +144,33 @@ def int8_abs_max(x: np.ndarray, axis: int) -> np.ndarray | None:
 
 def int4_values(
     x: np.ndarray, round_bf16: bool, axis: int, first: int, block: int,
-    scale: np.ndarray, zero: np.ndarray, pack_axis: int, out: np.ndarray,
+    scale: np.ndarray, zero: np.ndarray, pack_axis: int, out: np.ndarray, round_step: bool = False,
 ) -> None:
     """`pack_int4(group_values(...), pack_axis)` of `x` (float32, 2-D,
     C-contiguous; rounded to bfloat16 first if `round_bf16`), into `out`
-    (int8, packed shape, any strides). `scale` / `zero` (float32, finite)
-    are the groups' the block touches, shaped as `int4_stats` gives them;
-    a block packed along axis 0 starts at an even row."""
-    scale, zero = (np.ascontiguousarray(a, np.float32) for a in (scale, zero))  # as warmed
+    (int8, packed shape, any strides). `scale` / `zero` (float32 or
+    bfloat16, finite) are the groups' the block touches, shaped as
+    `int4_stats` gives them; a block packed along axis 0 starts at an even
+    row. `round_step`: each quotient rounded to bfloat16 (`group_values`'
+    `step`)."""
+    scale, zero = (np.ascontiguousarray(a, np.float32) for a in (scale, zero))  # as warmed; exact
     vmin, vmax = (np.float32(v) for v in qm.INT4_RANGE)
-    _kernels().int4_values(x.view(np.uint32), round_bf16, axis, first, block, scale, zero, vmin, vmax, pack_axis, out)
+    _kernels().int4_values(
+        x.view(np.uint32), round_bf16, round_step, axis, first, block, scale, zero, vmin, vmax, pack_axis, out
+    )
 
 
-def int8_values(x: np.ndarray, round_bf16: bool, scale: np.ndarray, axis: int, out: np.ndarray) -> None:
+def int8_values(
+    x: np.ndarray, round_bf16: bool, scale: np.ndarray, axis: int, out: np.ndarray, round_step: bool = False
+) -> None:
     """`keras_math.int8_values(x, scale)` of `x` (float32, 2-D,
     C-contiguous; rounded to bfloat16 first if `round_bf16`) whose float32
-    `scale` (finite) reduces `axis` (one per column for 0, per row for 1),
-    into `out` (int8, any strides)."""
-    scale = np.ascontiguousarray(scale, np.float32).reshape(-1)  # as warmed
+    or bfloat16 `scale` (finite) reduces `axis` (one per column for 0, per
+    row for 1), into `out` (int8, any strides). `round_step`: each product
+    rounded to bfloat16 (`int8_values`' `step`)."""
+    scale = np.ascontiguousarray(scale, np.float32).reshape(-1)  # as warmed; exact
     lo, hi = (np.float32(v) for v in qm.INT8_RANGE)
-    _kernels().int8_values(x.view(np.uint32), round_bf16, scale, axis == 0, lo, hi, out)
+    _kernels().int8_values(x.view(np.uint32), round_bf16, round_step, scale, axis == 0, lo, hi, out)
 
 
 def int8_abs_max_run(x: np.ndarray) -> np.ndarray | None:
@@ -183,12 +190,14 @@ def int8_abs_max_run(x: np.ndarray) -> np.ndarray | None:
     return np.stack(tops)
 
 
-def int8_values_run(x: np.ndarray, round_bf16: bool, scale: np.ndarray, out: np.ndarray) -> None:
+def int8_values_run(
+    x: np.ndarray, round_bf16: bool, scale: np.ndarray, out: np.ndarray, round_step: bool = False
+) -> None:
     """`int8_values` of `x` as `int8_abs_max_run` takes it, for its keepdims
-    float32 `scale`, into `out` (int8, `x`'s shape, any strides)."""
+    `scale`, into `out` (int8, `x`'s shape, any strides)."""
     a, b, c = x.shape
     if c == 1:
-        int8_values(x.reshape(a, b), round_bf16, scale.reshape(a), 1, out[:, :, 0])
+        int8_values(x.reshape(a, b), round_bf16, scale.reshape(a), 1, out[:, :, 0], round_step)
         return
     for i in range(a):
-        int8_values(x[i], round_bf16, scale[i], 0, out[i])
+        int8_values(x[i], round_bf16, scale[i], 0, out[i], round_step)
