@@ -11,6 +11,9 @@ quantizes.
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 _jit = numba.njit(nogil=True, cache=True, error_model="numpy")
 
@@ -30,6 +33,32 @@ def row_floats(bits, round_bf16, out_bits):
     else:
         for j in range(bits.shape[0]):
             out_bits[j] = bits[j]
+
+
+@intrinsic
+def _bits_of(typingctx, x):
+    """A float32's bits as uint32 (an LLVM bitcast: free, and it keeps the
+    loop it is in vectorized, where a pass through a uint32 view of
+    memory is a loop of its own)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _float_of(typingctx, u):
+    """The float32 of uint32 bits (`_bits_of`'s inverse)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@_jit
+def to_bf16(y):
+    """A float32 rounded to bfloat16 (ties to even, on the bits; finite or
+    infinite `y`), as a float32."""
+    u = _bits_of(y)
+    return _float_of(np.uint32(np.uint32(u + _HALF + np.uint32((u >> _U16) & _ONE)) & _KEEP))
 
 
 @_jit
@@ -84,24 +113,19 @@ def int4_from_quotient(q, z, vmin, vmax):
 
 
 @_jit
-def int4_row(x_bits, round_step, g_scale, g_zero, per_column, first, block, vmin, vmax, out):
+def int4_row(x, round_step, g_scale, g_zero, per_column, first, block, vmin, vmax, out):
     """One row's int4 values (int32): scales per column (`per_column`:
-    the row's group's) or per group of `block` columns of the row. The
-    row (float32 bits) is scratch: with `round_step` the quotients are
-    written there and rounded to bfloat16 before the rest (two passes,
-    each one LLVM vectorizes)."""
-    x = x_bits.view(np.float32)
+    the row's group's) or per group of `block` columns of the row; with
+    `round_step` each quotient rounded to bfloat16 first (a loop of its
+    own, so that neither tests it per element)."""
     cols = x.shape[0]
     if per_column:
         if round_step:
             for j in range(cols):
-                x[j] = x[j] / g_scale[j]
-            row_floats(x_bits, True, x_bits)
+                out[j] = int4_from_quotient(to_bf16(x[j] / g_scale[j]), g_zero[j], vmin, vmax)
+        else:
             for j in range(cols):
-                out[j] = int4_from_quotient(x[j], g_zero[j], vmin, vmax)
-            return
-        for j in range(cols):
-            out[j] = int4_from_quotient(x[j] / g_scale[j], g_zero[j], vmin, vmax)
+                out[j] = int4_from_quotient(x[j] / g_scale[j], g_zero[j], vmin, vmax)
         return
     c = 0
     while c < cols:
@@ -111,10 +135,7 @@ def int4_row(x_bits, round_step, g_scale, g_zero, per_column, first, block, vmin
         xs, outs = x[c:end], out[c:end]  # from 0: LLVM vectorizes this loop
         if round_step:
             for j in range(xs.shape[0]):
-                xs[j] = xs[j] / s
-            row_floats(x_bits[c:end], True, x_bits[c:end])
-            for j in range(xs.shape[0]):
-                outs[j] = int4_from_quotient(xs[j], z, vmin, vmax)
+                outs[j] = int4_from_quotient(to_bf16(xs[j] / s), z, vmin, vmax)
         else:
             for j in range(xs.shape[0]):
                 outs[j] = int4_from_quotient(xs[j] / s, z, vmin, vmax)
@@ -128,6 +149,7 @@ def int4_values(bits, round_bf16, round_step, group_axis, first, block, scale, z
     byte along `pack_axis` into `out`."""
     rows, cols = bits.shape
     buf = np.empty(cols, np.uint32)
+    x = buf.view(np.float32)
     cur = np.empty(cols, np.int32)
     prev = np.zeros(cols, np.int32)
     g0 = first // block
@@ -135,9 +157,9 @@ def int4_values(bits, round_bf16, round_step, group_axis, first, block, scale, z
         row_floats(bits[i], round_bf16, buf)
         if group_axis == 0:
             g = (first + i) // block - g0
-            int4_row(buf, round_step, scale[g], zero[g], True, 0, block, vmin, vmax, cur)
+            int4_row(x, round_step, scale[g], zero[g], True, 0, block, vmin, vmax, cur)
         else:
-            int4_row(buf, round_step, scale[i], zero[i], False, first, block, vmin, vmax, cur)
+            int4_row(x, round_step, scale[i], zero[i], False, first, block, vmin, vmax, cur)
         if pack_axis == 1:
             dst = out[i]
             for j in range(cols // 2):
@@ -157,35 +179,36 @@ def int4_values(bits, round_bf16, round_step, group_axis, first, block, scale, z
 
 
 @_jit
+def int8_from_product(y, lo, hi):
+    """`rint(y)` clipped to `lo..hi`, as int8."""
+    y = lo if y < lo else y
+    y = hi if y > hi else y
+    return np.int8((y + _MAGIC) - _MAGIC)
+
+
+@_jit
 def int8_values(bits, round_bf16, round_step, scale, per_column, lo, hi, out):
     """`rint(x * scale)` clipped to `lo..hi` (`per_column`: scale per
     column, else per row); clipping first is the same (integer ends). With
-    `round_step` each product is rounded to bfloat16 first (in the row's
-    scratch, a pass of its own)."""
+    `round_step` each product is rounded to bfloat16 first."""
     rows, cols = bits.shape
     buf = np.empty(cols, np.uint32)
     x = buf.view(np.float32)
     for i in range(rows):
         row_floats(bits[i], round_bf16, buf)
         dst = out[i]
-        if round_step:
-            if per_column:
+        if per_column:
+            if round_step:
                 for j in range(cols):
-                    x[j] = x[j] * scale[j]
+                    dst[j] = int8_from_product(to_bf16(x[j] * scale[j]), lo, hi)
             else:
-                s = scale[i]
                 for j in range(cols):
-                    x[j] = x[j] * s
-            row_floats(buf, True, buf)
-            for j in range(cols):
-                y = x[j]
-                y = lo if y < lo else y
-                y = hi if y > hi else y
-                dst[j] = np.int8((y + _MAGIC) - _MAGIC)
-            continue
-        for j in range(cols):
-            s = scale[j] if per_column else scale[i]
-            y = x[j] * s
-            y = lo if y < lo else y
-            y = hi if y > hi else y
-            dst[j] = np.int8((y + _MAGIC) - _MAGIC)
+                    dst[j] = int8_from_product(x[j] * scale[j], lo, hi)
+        else:
+            s = scale[i]
+            if round_step:
+                for j in range(cols):
+                    dst[j] = int8_from_product(to_bf16(x[j] * s), lo, hi)
+            else:
+                for j in range(cols):
+                    dst[j] = int8_from_product(x[j] * s, lo, hi)

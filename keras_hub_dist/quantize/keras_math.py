@@ -4,9 +4,10 @@ Keras 3.15 quantizes weights with NumPy on the host (`to_numpy=True` in
 `abs_max_quantize` and `abs_max_quantize_grouped_with_zero_point`, and
 `pack_int4`). Every function here repeats those NumPy calls in the same
 order, on arrays of the same dtypes, with the same Python scalars (the
-dtypes NumPy picks matter: a bfloat16 array plus a Python float is float32
-under ml_dtypes, so the scale of a bfloat16 kernel is computed in float32
-and rounded to bfloat16 last, as Keras does). So the results are Keras's to
+dtypes NumPy picks matter, and for a bfloat16 kernel they are ml_dtypes'
+choice: with ml_dtypes 0.7 a bfloat16 array plus a Python float is
+bfloat16, so Keras's scale, products and quotients are bfloat16; with 0.5
+it was float32; `step_dtype` asks NumPy). So the results are Keras's to
 the bit, on any block:
 
 - the reductions (`max |x|`, per-group `min` / `max`) are exact, so they can
@@ -21,9 +22,10 @@ the bit, on any block:
 Only the reduction inputs move: a stored zero's sign never matters (`max -
 min` and `round(-min / scale)` give the same values for `+0` and `-0`).
 In-place steps (`out=`) and a bfloat16 block widened to float32 first (by
-`quantize.quantizer`: every block-sized step of Keras on a bfloat16 kernel is
-a float32 one by NumPy's promotion, and its reductions are exact) compute
-the same values faster; so do a rounding and its int8 cast in one ufunc
+`quantize.quantizer`: exact; its reductions give the same values, and each
+product or quotient is rounded back to `step_dtype` where Keras's is
+bfloat16, which is the value ml_dtypes' bfloat16 ufunc gives: it too
+computes in float32 and rounds once) compute the same values faster; so do a rounding and its int8 cast in one ufunc
 call, `reduceat` for groups along the last axis and int4 pairs packed as
 uint16 (each says why where it is used; the tests compare every one with
 Keras's own functions).

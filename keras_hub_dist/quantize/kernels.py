@@ -3,11 +3,11 @@
 `keras_math` repeats Keras's NumPy calls; each is one pass over every
 element, and NumPy reduces 128-element groups one by one. Numba compiles
 the same arithmetic into loops over each row that LLVM vectorizes: per
-element of an 8 MiB float32 block of Gemma-7B width, one thread, int4
-along rows (an embedding) 1.10 ns against NumPy's 4.49, int4 along columns
-(a kernel) 1.06 against 3.27, int8 0.82 against 2.13; a plain copy of the
-block is 0.36 (`benchmarks/bench_quantize_kernels.py`, 2-core Xeon; whole
-loads: BENCHMARKS.md). Numba is the well-kept way to write such loops
+element of an 8 MiB float32 block of Gemma-7B width rounded to bfloat16,
+one thread, int4 along rows (an embedding) 0.61 ns against NumPy's 4.87,
+int4 along columns (a kernel) 0.70 against 4.24, int8 0.48 against 4.03; a
+plain copy of the block is 0.10 (`benchmarks/bench_quantize_kernels.py`,
+2-core Xeon, 2026-12-06; whole loads: BENCHMARKS.md). Numba is the well-kept way to write such loops
 in Python (no C extension to build per platform); it is imported, and the
 kernels loaded from its on-disk cache (compiled once: 5.4 s), only when a
 load quantizes (`prepare`).
@@ -23,7 +23,12 @@ The results are `keras_math`'s (so Keras's) to the bit, by these steps:
   non-NaN (round to nearest, ties to even, on the bits);
 - division, multiplication and comparisons are IEEE float32 operations,
   in Keras's order, with no fast-math flags (no reassociation or fused
-  multiply-add); rounding to an integer is `(q + 1.5 * 2**23) - 1.5 * 2**23`,
+  multiply-add); where Keras's steps are bfloat16 (`round_step`: ml_dtypes
+  0.7 computes each element in float32 and rounds it to bfloat16,
+  `keras_math.step_dtype`) each product or quotient is rounded so, in the
+  same loop (an LLVM bitcast, `_jit.to_bf16`: int8 0.48 against 0.41 ns
+  per element without it, int4 along rows 0.61 against 0.50); rounding
+  to an integer is `(q + 1.5 * 2**23) - 1.5 * 2**23`,
   exact (ties to even) for `|q| <= 2**22`, after `q` is clamped to a range
   whose ends are integers outside the value range (clamping and rounding
   commute there, and Keras's final clip gives the same value);

@@ -315,10 +315,10 @@ class TensorQuantizer:
     def _widen(self, raw: np.ndarray, scratch: Any, into: np.ndarray | None = None) -> np.ndarray:
         """Values to compute on, contiguous in scratch memory: the float
         dtype's values (the checkpoint's cast as stock assigns them), a
-        bfloat16 block widened to float32 (exact). Keras's block-sized steps
-        on a bfloat16 kernel already run in float32 (NumPy promotes `bf16 *
-        f32`, `bf16 / f32`), and float32 reductions give the same (bfloat16)
-        values, ~30x faster. The widened values go to `into` (the caller's
+        bfloat16 block widened to float32 (exact): float32 reductions give
+        the same (bfloat16) values, ~30x faster, and each product or
+        quotient is rounded back to bfloat16 where Keras's is
+        (`keras_math.step_dtype`: ml_dtypes 0.7's promotion). The widened values go to `into` (the caller's
         own memory, of `raw`'s shape) when it has the compute dtype."""
         rounded = raw
         if raw.dtype != self.float_dtype:
