@@ -16,7 +16,9 @@ float32: 8 MiB by default), single-threaded, the best of `--repeats`:
 Each layout is one the loader meets: `int4_rows` (an embedding table:
 groups of 128 along each row, packed along it), `int4_cols` (a Dense kernel:
 groups of 128 rows, packed along the columns), `int8_cols` (a kernel's
-per-column scale). The two ways' results are checked to be the same bits.
+per-column scale). The two ways' results are checked to be the same bits,
+and Keras's own (`keras.quantizers` on the bfloat16 block: with ml_dtypes
+0.7 each product / quotient rounded to bfloat16, `keras_math.step_dtype`).
 
 Usage:
 
@@ -26,6 +28,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import ml_dtypes
@@ -41,25 +44,40 @@ def _numpy(x: np.ndarray, layout: str) -> np.ndarray:
     wide = x.astype(BF16).astype(np.float32)  # the block as the bfloat16 variable holds it
     if layout == "int8_cols":
         scale = qm.int8_scale(qm.abs_max(x, (0,)).astype(BF16))
-        return qm.int8_values(wide, scale, overwrite=True)
+        return qm.int8_values(wide, scale, overwrite=True, step=qm.step_dtype(BF16, scale))
     axis = 1 if layout == "int4_rows" else 0
     low, high = (s.astype(BF16) for s in qm.group_stats(x, axis, 0, 128))
     scale, zero = qm.group_params(low, high)
-    return qm.pack_int4(qm.group_values(wide, axis, 0, 128, scale, zero, overwrite=True), 1)
+    step = qm.step_dtype(BF16, scale)
+    return qm.pack_int4(qm.group_values(wide, axis, 0, 128, scale, zero, overwrite=True, step=step), 1)
 
 
 def _kernels(x: np.ndarray, layout: str) -> np.ndarray:
     if layout == "int8_cols":
         scale = qm.int8_scale(qk.int8_abs_max(x, 0).astype(BF16))
         out = np.empty(x.shape, np.int8)
-        qk.int8_values(x, True, scale, 0, out)
+        qk.int8_values(x, True, scale, 0, out, round_step=qm.step_dtype(BF16, scale) == BF16)
         return out
     axis = 1 if layout == "int4_rows" else 0
     low, high = (s.astype(BF16) for s in qk.int4_stats(x, axis, 0, 128))
     scale, zero = qm.group_params(low, high)
     out = np.empty((x.shape[0], x.shape[1] // 2), np.int8)
-    qk.int4_values(x, True, axis, 0, 128, scale, zero, 1, out)
+    qk.int4_values(x, True, axis, 0, 128, scale, zero, 1, out, round_step=qm.step_dtype(BF16, scale) == BF16)
     return out
+
+
+def _keras(x: np.ndarray, layout: str) -> np.ndarray:
+    """Keras's own quantizers on the block as a bfloat16 variable holds it."""
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import keras  # only for the check
+
+    rounded = x.astype(BF16)
+    if layout == "int8_cols":
+        return np.asarray(keras.quantizers.abs_max_quantize(rounded, axis=0, to_numpy=True)[0])
+    oriented = rounded if layout == "int4_cols" else rounded.T  # Keras groups along axis 0
+    values = np.asarray(keras.quantizers.abs_max_quantize_grouped_with_zero_point(oriented, 128, to_numpy=True)[0])
+    return np.asarray(keras.quantizers.pack_int4(values if layout == "int4_cols" else values.T, axis=1)[0])
 
 
 def _best(fn, repeats: int) -> float:
@@ -85,6 +103,8 @@ def main() -> None:
     for layout in ("int4_rows", "int4_cols", "int8_cols"):
         if _numpy(x, layout).tobytes() != _kernels(x, layout).tobytes():
             raise SystemExit(f"{layout}: the kernels' bits differ from keras_math's")
+        if _kernels(x, layout).tobytes() != _keras(x, layout).tobytes():
+            raise SystemExit(f"{layout}: the kernels' bits differ from Keras's")
         slow = _best(lambda: _numpy(x, layout), args.repeats) / x.size * 1e9
         fast = _best(lambda: _kernels(x, layout), args.repeats) / x.size * 1e9
         print(f"| {layout} | {slow:.2f} | {fast:.2f} | {floor:.2f} | {slow / fast:.1f}x | {fast / floor:.1f}x |")

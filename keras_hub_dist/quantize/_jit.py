@@ -11,6 +11,9 @@ quantizes.
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 _jit = numba.njit(nogil=True, cache=True, error_model="numpy")
 
@@ -30,6 +33,32 @@ def row_floats(bits, round_bf16, out_bits):
     else:
         for j in range(bits.shape[0]):
             out_bits[j] = bits[j]
+
+
+@intrinsic
+def _bits_of(typingctx, x):
+    """A float32's bits as uint32 (an LLVM bitcast: free, and it keeps the
+    loop it is in vectorized, where a pass through a uint32 view of
+    memory is a loop of its own)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _float_of(typingctx, u):
+    """The float32 of uint32 bits (`_bits_of`'s inverse)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@_jit
+def to_bf16(y):
+    """A float32 rounded to bfloat16 (ties to even, on the bits; finite or
+    infinite `y`), as a float32."""
+    u = _bits_of(y)
+    return _float_of(np.uint32(np.uint32(u + _HALF + np.uint32((u >> _U16) & _ONE)) & _KEEP))
 
 
 @_jit
@@ -70,12 +99,11 @@ def keys_down_columns(keys, first, block, low, high):
 
 
 @_jit
-def int4_value(x, s, z, vmin, vmax):
-    """`x / scale`, rounded, plus the zero point, clipped to `vmin..vmax`.
-    `x / scale` is first clamped to +-(vmax - vmin + 1): integers past any
-    value that can land inside the range once a zero point in it is added."""
+def int4_from_quotient(q, z, vmin, vmax):
+    """`q = x / scale`, rounded, plus the zero point, clipped to `vmin..vmax`.
+    `q` is first clamped to +-(vmax - vmin + 1): integers past any value
+    that can land inside the range once a zero point in it is added."""
     bound = vmax - vmin + np.float32(1.0)
-    q = x / s
     q = -bound if q < -bound else q
     q = bound if q > bound else q
     v = ((q + _MAGIC) - _MAGIC) + z
@@ -85,13 +113,19 @@ def int4_value(x, s, z, vmin, vmax):
 
 
 @_jit
-def int4_row(x, g_scale, g_zero, per_column, first, block, vmin, vmax, out):
+def int4_row(x, round_step, g_scale, g_zero, per_column, first, block, vmin, vmax, out):
     """One row's int4 values (int32): scales per column (`per_column`:
-    the row's group's) or per group of `block` columns of the row."""
+    the row's group's) or per group of `block` columns of the row; with
+    `round_step` each quotient rounded to bfloat16 first (a loop of its
+    own, so that neither tests it per element)."""
     cols = x.shape[0]
     if per_column:
-        for j in range(cols):
-            out[j] = int4_value(x[j], g_scale[j], g_zero[j], vmin, vmax)
+        if round_step:
+            for j in range(cols):
+                out[j] = int4_from_quotient(to_bf16(x[j] / g_scale[j]), g_zero[j], vmin, vmax)
+        else:
+            for j in range(cols):
+                out[j] = int4_from_quotient(x[j] / g_scale[j], g_zero[j], vmin, vmax)
         return
     c = 0
     while c < cols:
@@ -99,15 +133,20 @@ def int4_row(x, g_scale, g_zero, per_column, first, block, vmin, vmax, out):
         end = min(cols, (g + 1) * block - first)
         s, z = g_scale[g - first // block], g_zero[g - first // block]
         xs, outs = x[c:end], out[c:end]  # from 0: LLVM vectorizes this loop
-        for j in range(xs.shape[0]):
-            outs[j] = int4_value(xs[j], s, z, vmin, vmax)
+        if round_step:
+            for j in range(xs.shape[0]):
+                outs[j] = int4_from_quotient(to_bf16(xs[j] / s), z, vmin, vmax)
+        else:
+            for j in range(xs.shape[0]):
+                outs[j] = int4_from_quotient(xs[j] / s, z, vmin, vmax)
         c = end
 
 
 @_jit
-def int4_values(bits, round_bf16, group_axis, first, block, scale, zero, vmin, vmax, pack_axis, out):
+def int4_values(bits, round_bf16, round_step, group_axis, first, block, scale, zero, vmin, vmax, pack_axis, out):
     """The int4 values of a block (bits of float32, rounded to bfloat16 if
-    asked), packed two per byte along `pack_axis` into `out`."""
+    asked; quotients rounded to bfloat16 if `round_step`), packed two per
+    byte along `pack_axis` into `out`."""
     rows, cols = bits.shape
     buf = np.empty(cols, np.uint32)
     x = buf.view(np.float32)
@@ -118,9 +157,9 @@ def int4_values(bits, round_bf16, group_axis, first, block, scale, zero, vmin, v
         row_floats(bits[i], round_bf16, buf)
         if group_axis == 0:
             g = (first + i) // block - g0
-            int4_row(x, scale[g], zero[g], True, 0, block, vmin, vmax, cur)
+            int4_row(x, round_step, scale[g], zero[g], True, 0, block, vmin, vmax, cur)
         else:
-            int4_row(x, scale[i], zero[i], False, first, block, vmin, vmax, cur)
+            int4_row(x, round_step, scale[i], zero[i], False, first, block, vmin, vmax, cur)
         if pack_axis == 1:
             dst = out[i]
             for j in range(cols // 2):
@@ -140,19 +179,36 @@ def int4_values(bits, round_bf16, group_axis, first, block, scale, zero, vmin, v
 
 
 @_jit
-def int8_values(bits, round_bf16, scale, per_column, lo, hi, out):
+def int8_from_product(y, lo, hi):
+    """`rint(y)` clipped to `lo..hi`, as int8."""
+    y = lo if y < lo else y
+    y = hi if y > hi else y
+    return np.int8((y + _MAGIC) - _MAGIC)
+
+
+@_jit
+def int8_values(bits, round_bf16, round_step, scale, per_column, lo, hi, out):
     """`rint(x * scale)` clipped to `lo..hi` (`per_column`: scale per
-    column, else per row); clipping first is the same (integer ends)."""
+    column, else per row); clipping first is the same (integer ends). With
+    `round_step` each product is rounded to bfloat16 first."""
     rows, cols = bits.shape
     buf = np.empty(cols, np.uint32)
     x = buf.view(np.float32)
     for i in range(rows):
         row_floats(bits[i], round_bf16, buf)
         dst = out[i]
-        for j in range(cols):
-            s = scale[j] if per_column else scale[i]
-            y = x[j] * s
-            y = lo if y < lo else y
-            y = hi if y > hi else y
-            dst[j] = np.int8((y + _MAGIC) - _MAGIC)
-
+        if per_column:
+            if round_step:
+                for j in range(cols):
+                    dst[j] = int8_from_product(to_bf16(x[j] * scale[j]), lo, hi)
+            else:
+                for j in range(cols):
+                    dst[j] = int8_from_product(x[j] * scale[j], lo, hi)
+        else:
+            s = scale[i]
+            if round_step:
+                for j in range(cols):
+                    dst[j] = int8_from_product(to_bf16(x[j] * s), lo, hi)
+            else:
+                for j in range(cols):
+                    dst[j] = int8_from_product(x[j] * s, lo, hi)

@@ -4,9 +4,10 @@ Keras 3.15 quantizes weights with NumPy on the host (`to_numpy=True` in
 `abs_max_quantize` and `abs_max_quantize_grouped_with_zero_point`, and
 `pack_int4`). Every function here repeats those NumPy calls in the same
 order, on arrays of the same dtypes, with the same Python scalars (the
-dtypes NumPy picks matter: a bfloat16 array plus a Python float is float32
-under ml_dtypes, so the scale of a bfloat16 kernel is computed in float32
-and rounded to bfloat16 last, as Keras does). So the results are Keras's to
+dtypes NumPy picks matter, and for a bfloat16 kernel they are ml_dtypes'
+choice: with ml_dtypes 0.7 a bfloat16 array plus a Python float is
+bfloat16, so Keras's scale, products and quotients are bfloat16; with 0.5
+it was float32; `step_dtype` asks NumPy). So the results are Keras's to
 the bit, on any block:
 
 - the reductions (`max |x|`, per-group `min` / `max`) are exact, so they can
@@ -21,9 +22,10 @@ the bit, on any block:
 Only the reduction inputs move: a stored zero's sign never matters (`max -
 min` and `round(-min / scale)` give the same values for `+0` and `-0`).
 In-place steps (`out=`) and a bfloat16 block widened to float32 first (by
-`quantize.quantizer`: every block-sized step of Keras on a bfloat16 kernel is
-a float32 one by NumPy's promotion, and its reductions are exact) compute
-the same values faster; so do a rounding and its int8 cast in one ufunc
+`quantize.quantizer`: exact; its reductions give the same values, and each
+product or quotient is rounded back to `step_dtype` where Keras's is
+bfloat16, which is the value ml_dtypes' bfloat16 ufunc gives: it too
+computes in float32 and rounds once) compute the same values faster; so do a rounding and its int8 cast in one ufunc
 call, `reduceat` for groups along the last axis and int4 pairs packed as
 uint16 (each says why where it is used; the tests compare every one with
 Keras's own functions).
@@ -60,6 +62,7 @@ __all__ = [
     "int8_scale",
     "int8_values",
     "pack_int4",
+    "step_dtype",
 ]
 
 # The defaults Keras's layers quantize with (read from Keras, not copied):
@@ -91,22 +94,30 @@ def int8_scale(top: np.ndarray, value_range: tuple[int, int] = INT8_RANGE, epsil
 
 def int8_values(
     block: np.ndarray, scale: np.ndarray, value_range: tuple[int, int] = INT8_RANGE,
-    overwrite: bool = False, out: np.ndarray | None = None,
+    overwrite: bool = False, out: np.ndarray | None = None, step: np.dtype | None = None,
 ) -> np.ndarray:
     """`abs_max_quantize`'s values of `block` for its (broadcast) scale.
 
-    Keras's `clip` to the range is left out: it never changes a value. With
-    `scale = r / (m + eps)` and `|x| <= m` (the very maximum the scale came
-    from), `|x * scale| <= r * (1 + 2 ulp)`, which rounds to at most `r`
-    (and NaN stays NaN either way); the test suite checks ties and extremes
+    Keras's `clip` to the range is left out where the products are float32
+    or wider: it never changes a value there. With `scale = r / (m + eps)`
+    and `|x| <= m` (the very maximum the scale came from), `|x * scale| <=
+    r * (1 + 2 ulp)`, which rounds to at most `r` (and NaN stays NaN either
+    way). A bfloat16 scale and product (8 significant bits) can pass the
+    end: `127 * (1 + 2**-8)` rounds to 127.5, then to 128, which the clip
+    (done before the rounding here: the same values, the ends being
+    integers) brings back to 127. The test suite checks ties and extremes
     against Keras.
 
     With `overwrite=True` the products are computed in `block`'s memory
     where they have its dtype; with `out` (int8, the block's shape, any
-    strides) the values are written there.
+    strides) the values are written there. `step`: the dtype Keras's
+    product has (`step_dtype`) where `block` was widened from it.
     """
     products = _product_target(block, scale, overwrite)
     np.multiply(block, scale, out=products)
+    _round_to(products, step)
+    if np.dtype(step or products.dtype).itemsize < 4:
+        np.clip(products, value_range[0], value_range[1], out=products)
     if out is None:
         out = np.empty(products.shape, np.int8)
     # Keras's `np.round` (which is `rint` for 0 decimals) then
@@ -114,6 +125,30 @@ def int8_values(
     # and casts that with the same cast `astype` uses.
     np.rint(products, out=out, casting="unsafe")
     return out
+
+
+def step_dtype(float_dtype: np.dtype, scale: np.ndarray) -> np.dtype:
+    """The dtype of Keras's `x * scale` (int8) or `x / scale` (int4) for a
+    kernel of `float_dtype`: NumPy's promotion of the two, as Keras runs it.
+
+    Keras computes the scale from the kernel's own dtype and Python scalars,
+    so for a bfloat16 kernel the scale's dtype is `ml_dtypes`' choice: with
+    ml_dtypes 0.7 (NEP 50: a Python scalar takes the array's dtype) the
+    scale, the products and the quotients are bfloat16, each element
+    computed in float32 and rounded to bfloat16 (`x * scale` exactly, then
+    rounded once: both factors have 8 significant bits); with ml_dtypes 0.5
+    (`bf16 + 1e-7` is float32) they are float32. `quantize.quantizer`
+    widens a bfloat16 block to float32 (exact) and, where this says
+    bfloat16, rounds each product or quotient to it (`_round_to`, the same
+    cast as ml_dtypes' own ufuncs end with)."""
+    return np.result_type(np.dtype(float_dtype), scale.dtype)
+
+
+def _round_to(values: np.ndarray, step: np.dtype | None) -> None:
+    """Rounds `values` in place to the narrower float dtype `step` (then
+    back): the value Keras's step holds there."""
+    if step is not None and np.dtype(step) != values.dtype and np.dtype(step).itemsize < values.dtype.itemsize:
+        np.copyto(values, values.astype(step))
 
 
 def _product_target(block: np.ndarray, other: np.ndarray, overwrite: bool) -> np.ndarray:
@@ -222,11 +257,16 @@ def group_params(
 def group_values(
     block: np.ndarray, axis: int, start: int, block_size: int,
     scale: np.ndarray, zero_point: np.ndarray, value_range: tuple[int, int] = INT4_RANGE,
-    overwrite: bool = False, out: np.ndarray | None = None,
+    overwrite: bool = False, out: np.ndarray | None = None, step: np.dtype | None = None,
 ) -> np.ndarray:
     """The int4 values (in int8) of a block whose groups' parameters are
     `scale` / `zero_point` (group axis `axis`, first group the block's).
-    `overwrite` and `out` as for `int8_values`."""
+    `overwrite`, `out` and `step` (of the quotients) as for `int8_values`.
+
+    Keras adds the zero point in the quotients' dtype: a bfloat16 sum may
+    round where it is past 256, but such a sum clips to the same end of the
+    range (rounding is monotonic and the ends are bfloat16 values), so the
+    float32 sum here gives Keras's values."""
     qmin, qmax = value_range
     scale_g = np.moveaxis(scale, axis, 0)
     zero_g = np.moveaxis(zero_point, axis, 0)
@@ -237,6 +277,7 @@ def group_values(
         group_scale = scale_g[groups][:, None]
         outputs = _product_target(rows, group_scale, overwrite)
         np.divide(rows, group_scale, out=outputs)  # then in place
+        _round_to(outputs, step)
         np.round(outputs, out=outputs)
         np.add(outputs, zero_g[groups][:, None], out=outputs)
         target = values_g[first : first + outputs.shape[0] * outputs.shape[1]]

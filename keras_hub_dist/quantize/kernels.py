@@ -3,11 +3,11 @@
 `keras_math` repeats Keras's NumPy calls; each is one pass over every
 element, and NumPy reduces 128-element groups one by one. Numba compiles
 the same arithmetic into loops over each row that LLVM vectorizes: per
-element of an 8 MiB float32 block of Gemma-7B width, one thread, int4
-along rows (an embedding) 1.10 ns against NumPy's 4.49, int4 along columns
-(a kernel) 1.06 against 3.27, int8 0.82 against 2.13; a plain copy of the
-block is 0.36 (`benchmarks/bench_quantize_kernels.py`, 2-core Xeon; whole
-loads: BENCHMARKS.md). Numba is the well-kept way to write such loops
+element of an 8 MiB float32 block of Gemma-7B width rounded to bfloat16,
+one thread, int4 along rows (an embedding) 0.61 ns against NumPy's 4.87,
+int4 along columns (a kernel) 0.70 against 4.24, int8 0.48 against 4.03; a
+plain copy of the block is 0.10 (`benchmarks/bench_quantize_kernels.py`,
+2-core Xeon, 2026-12-06; whole loads: BENCHMARKS.md). Numba is the well-kept way to write such loops
 in Python (no C extension to build per platform); it is imported, and the
 kernels loaded from its on-disk cache (compiled once: 5.4 s), only when a
 load quantizes (`prepare`).
@@ -23,7 +23,12 @@ The results are `keras_math`'s (so Keras's) to the bit, by these steps:
   non-NaN (round to nearest, ties to even, on the bits);
 - division, multiplication and comparisons are IEEE float32 operations,
   in Keras's order, with no fast-math flags (no reassociation or fused
-  multiply-add); rounding to an integer is `(q + 1.5 * 2**23) - 1.5 * 2**23`,
+  multiply-add); where Keras's steps are bfloat16 (`round_step`: ml_dtypes
+  0.7 computes each element in float32 and rounds it to bfloat16,
+  `keras_math.step_dtype`) each product or quotient is rounded so, in the
+  same loop (an LLVM bitcast, `_jit.to_bf16`: int8 0.48 against 0.41 ns
+  per element without it, int4 along rows 0.61 against 0.50); rounding
+  to an integer is `(q + 1.5 * 2**23) - 1.5 * 2**23`,
   exact (ties to even) for `|q| <= 2**22`, after `q` is clamped to a range
   whose ends are integers outside the value range (clamping and rounding
   commute there, and Keras's final clip gives the same value);
@@ -144,26 +149,33 @@ def int8_abs_max(x: np.ndarray, axis: int) -> np.ndarray | None:
 
 def int4_values(
     x: np.ndarray, round_bf16: bool, axis: int, first: int, block: int,
-    scale: np.ndarray, zero: np.ndarray, pack_axis: int, out: np.ndarray,
+    scale: np.ndarray, zero: np.ndarray, pack_axis: int, out: np.ndarray, round_step: bool = False,
 ) -> None:
     """`pack_int4(group_values(...), pack_axis)` of `x` (float32, 2-D,
     C-contiguous; rounded to bfloat16 first if `round_bf16`), into `out`
-    (int8, packed shape, any strides). `scale` / `zero` (float32, finite)
-    are the groups' the block touches, shaped as `int4_stats` gives them;
-    a block packed along axis 0 starts at an even row."""
-    scale, zero = (np.ascontiguousarray(a, np.float32) for a in (scale, zero))  # as warmed
+    (int8, packed shape, any strides). `scale` / `zero` (float32 or
+    bfloat16, finite) are the groups' the block touches, shaped as
+    `int4_stats` gives them; a block packed along axis 0 starts at an even
+    row. `round_step`: each quotient rounded to bfloat16 (`group_values`'
+    `step`)."""
+    scale, zero = (np.ascontiguousarray(a, np.float32) for a in (scale, zero))  # as warmed; exact
     vmin, vmax = (np.float32(v) for v in qm.INT4_RANGE)
-    _kernels().int4_values(x.view(np.uint32), round_bf16, axis, first, block, scale, zero, vmin, vmax, pack_axis, out)
+    _kernels().int4_values(
+        x.view(np.uint32), round_bf16, round_step, axis, first, block, scale, zero, vmin, vmax, pack_axis, out
+    )
 
 
-def int8_values(x: np.ndarray, round_bf16: bool, scale: np.ndarray, axis: int, out: np.ndarray) -> None:
+def int8_values(
+    x: np.ndarray, round_bf16: bool, scale: np.ndarray, axis: int, out: np.ndarray, round_step: bool = False
+) -> None:
     """`keras_math.int8_values(x, scale)` of `x` (float32, 2-D,
     C-contiguous; rounded to bfloat16 first if `round_bf16`) whose float32
-    `scale` (finite) reduces `axis` (one per column for 0, per row for 1),
-    into `out` (int8, any strides)."""
-    scale = np.ascontiguousarray(scale, np.float32).reshape(-1)  # as warmed
+    or bfloat16 `scale` (finite) reduces `axis` (one per column for 0, per
+    row for 1), into `out` (int8, any strides). `round_step`: each product
+    rounded to bfloat16 (`int8_values`' `step`)."""
+    scale = np.ascontiguousarray(scale, np.float32).reshape(-1)  # as warmed; exact
     lo, hi = (np.float32(v) for v in qm.INT8_RANGE)
-    _kernels().int8_values(x.view(np.uint32), round_bf16, scale, axis == 0, lo, hi, out)
+    _kernels().int8_values(x.view(np.uint32), round_bf16, round_step, scale, axis == 0, lo, hi, out)
 
 
 def int8_abs_max_run(x: np.ndarray) -> np.ndarray | None:
@@ -183,12 +195,14 @@ def int8_abs_max_run(x: np.ndarray) -> np.ndarray | None:
     return np.stack(tops)
 
 
-def int8_values_run(x: np.ndarray, round_bf16: bool, scale: np.ndarray, out: np.ndarray) -> None:
+def int8_values_run(
+    x: np.ndarray, round_bf16: bool, scale: np.ndarray, out: np.ndarray, round_step: bool = False
+) -> None:
     """`int8_values` of `x` as `int8_abs_max_run` takes it, for its keepdims
-    float32 `scale`, into `out` (int8, `x`'s shape, any strides)."""
+    `scale`, into `out` (int8, `x`'s shape, any strides)."""
     a, b, c = x.shape
     if c == 1:
-        int8_values(x.reshape(a, b), round_bf16, scale.reshape(a), 1, out[:, :, 0])
+        int8_values(x.reshape(a, b), round_bf16, scale.reshape(a), 1, out[:, :, 0], round_step)
         return
     for i in range(a):
-        int8_values(x[i], round_bf16, scale[i], 0, out[i])
+        int8_values(x[i], round_bf16, scale[i], 0, out[i], round_step)

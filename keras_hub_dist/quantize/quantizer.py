@@ -315,10 +315,10 @@ class TensorQuantizer:
     def _widen(self, raw: np.ndarray, scratch: Any, into: np.ndarray | None = None) -> np.ndarray:
         """Values to compute on, contiguous in scratch memory: the float
         dtype's values (the checkpoint's cast as stock assigns them), a
-        bfloat16 block widened to float32 (exact). Keras's block-sized steps
-        on a bfloat16 kernel already run in float32 (NumPy promotes `bf16 *
-        f32`, `bf16 / f32`), and float32 reductions give the same (bfloat16)
-        values, ~30x faster. The widened values go to `into` (the caller's
+        bfloat16 block widened to float32 (exact): float32 reductions give
+        the same (bfloat16) values, ~30x faster, and each product or
+        quotient is rounded back to bfloat16 where Keras's is
+        (`keras_math.step_dtype`: ml_dtypes 0.7's promotion). The widened values go to `into` (the caller's
         own memory, of `raw`'s shape) when it has the compute dtype."""
         rounded = raw
         if raw.dtype != self.float_dtype:
@@ -480,10 +480,14 @@ class TensorQuantizer:
             return False
         if isinstance(self.rule, Int4Rule):
             scale, zero = qm.group_params(*stats)
-            if scale.dtype != np.float32 or zero.dtype != np.float32:
+            step = self._kernel_step(scale, zero)
+            if step is None:
                 return False
             g = self.rule.group_axis
-            qk.int4_values(view, round_bf16, g, unit[g][0], self.rule.block_size, scale, zero, self.rule.pack_axis, out)
+            qk.int4_values(
+                view, round_bf16, g, unit[g][0], self.rule.block_size, scale, zero, self.rule.pack_axis, out,
+                round_step=step,
+            )
             return True
         scale = qm.int8_scale(stats[0])
         target = out.view()
@@ -491,22 +495,37 @@ class TensorQuantizer:
             target.shape = view.shape  # no copy: a view of the values block
         except AttributeError:
             return False
-        if scale.dtype != np.float32:
+        step = self._kernel_step(scale)
+        if step is None:
             return False
-        qk.int8_values_run(view, round_bf16, scale.reshape(view.shape[0], 1, view.shape[2]), target)
+        qk.int8_values_run(view, round_bf16, scale.reshape(view.shape[0], 1, view.shape[2]), target, round_step=step)
         return True
+
+    def _kernel_step(self, *params: np.ndarray) -> bool | None:
+        """Whether the kernels round each product / quotient to bfloat16
+        (`keras_math.step_dtype`), or `None` where they do not apply: the
+        kernels take parameters and steps of float32 or bfloat16 (exact
+        in float32) only."""
+        if any(p.dtype not in (np.float32, _BFLOAT16) for p in params):
+            return None
+        step = qm.step_dtype(self.float_dtype, params[0])
+        return step == _BFLOAT16 if step in (np.float32, _BFLOAT16) else None
 
     def _quantize(
         self, x_index: Index, block: np.ndarray, stats: tuple[np.ndarray, ...], out: np.ndarray, scratch: Any
     ) -> None:
         """Writes the values of `block` (scratch, overwritten) to `out`."""
         if isinstance(self.rule, Int8Rule):
-            qm.int8_values(block, qm.int8_scale(stats[0]), overwrite=True, out=out)
+            scale = qm.int8_scale(stats[0])
+            qm.int8_values(block, scale, overwrite=True, out=out, step=qm.step_dtype(self.float_dtype, scale))
             return
         g = self.rule.group_axis
         scale, zero = qm.group_params(*stats)
         values = scratch(block.shape, np.int8)
-        qm.group_values(block, g, x_index[g][0], self.rule.block_size, scale, zero, overwrite=True, out=values)
+        qm.group_values(
+            block, g, x_index[g][0], self.rule.block_size, scale, zero, overwrite=True, out=values,
+            step=qm.step_dtype(self.float_dtype, scale),
+        )
         qm.pack_int4(values, self.rule.pack_axis, out=out)
 
     def scale(self, index: Index) -> np.ndarray:

@@ -121,6 +121,57 @@ def test_quantized_load_is_stock_quantize_bitwise(family, mode, fmt, mesh_shape,
         assert any(v.value.sharding.spec != jax.sharding.PartitionSpec() for v in banks)
 
 
+def _hard(tensors: dict, seed: int) -> dict:
+    """The tensors with what decides a quantized bit: a spread of scales
+    across both axes of each matrix (e^-3 .. e^1), a zero row and column (a
+    zero channel), an outlier (40); still in the file's dtype."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, x in tensors.items():
+        if x.ndim >= 2 and (x.dtype.kind == "f" or str(x.dtype) == "bfloat16"):
+            wide = x.astype(np.float32)
+            for axis in (-1, -2):
+                spread = np.exp(rng.uniform(-3, 1, wide.shape[axis])).astype(np.float32)
+                wide = wide * (spread if axis == -1 else spread[:, None])
+            wide[..., 3] = 0.0
+            wide[..., 3, :] = 0.0
+            wide.reshape(-1)[5] = 40.0
+            x = wide.astype(x.dtype)
+        out[name] = x
+    return out
+
+
+@functools.cache
+def _bfloat16_in_bfloat16(root: str, family: str) -> tuple[str, dict]:
+    """A bfloat16 Hugging Face file of hard values and stock's quantized
+    bfloat16 models (from_preset(dtype="bfloat16"), then quantize)."""
+    config, tensors = FAMILIES[family].hf_checkpoint(family, tied=False, dtype="bfloat16", seed=11)
+    hf = write_hf_checkpoint(os.path.join(root, f"{family}_bf16_in_bf16"), config, _hard(tensors, 11))
+    references = {}
+    for mode in MODES:
+        keras.distribution.set_distribution(None)
+        stock = keras_hub.models.Backbone.from_preset(hf, dtype="bfloat16")
+        quantize_collecting_once(stock, mode)
+        references[mode] = [(_path(v), str(v.dtype), tuple(v.shape), _bits(v.value)) for v in stock.weights]
+    return hf, references
+
+
+# A bfloat16 file quantized in bfloat16, the pair in which Keras's scale,
+# products and quotients are bfloat16 (under ml_dtypes 0.7's NEP 50
+# promotion), on values that decide bits (Gemma and Qwen3 also meet it
+# through their KerasHub presets above, saved in bfloat16).
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bfloat16_file_quantized_in_bfloat16_is_stock_bitwise(family, mode, mesh_shape, root):
+    hf, references = _bfloat16_in_bfloat16(root, family)
+    model = load_sharded_preset(hf, mesh=mesh_shape, dtype="bfloat16", quantize=mode, progress=False)
+    ours = [(_path(v), str(v.dtype), tuple(v.shape), _bits(v.value)) for v in model.weights]
+    assert [o[:3] for o in ours] == [r[:3] for r in references[mode]]
+    assert sum(o[1] == "int8" for o in ours) >= 2 * 4 + 1  # the embedding, each layer's attention
+    assert not [o[0] for o, r in zip(ours, references[mode]) if o[3] != r[3]]
+
+
 # --- a causal LM: generate, save, reload --------------------------------------
 
 PROMPTS = ["the quick brown fox", "w1 w2 w3", "over the lazy dog", "a"] * 2

@@ -3,8 +3,9 @@
 Every check compares with Keras's own functions (`abs_max_quantize`,
 `abs_max_quantize_grouped_with_zero_point`, `pack_int4`) on whole arrays:
 random values, ties at .5 (round half to even), zero columns, rows that
-are not a multiple of the group, bfloat16 inputs (whose scales NumPy
-computes in float32, as Keras does).
+are not a multiple of the group, bfloat16 inputs (whose scales and
+products NumPy computes in the dtypes its promotion gives, as in Keras:
+`keras_math.step_dtype`).
 """
 
 import itertools
@@ -205,7 +206,8 @@ def test_in_place_and_strided_outputs_give_the_same_bits(dtype):
     wide = x.astype(np.float32)
     scale = qm.int8_scale(qm.abs_max(x, (0,)))
     block = np.zeros((256, 20), np.int8)
-    qm.int8_values(wide.copy(), scale, overwrite=True, out=block[:, 4:16])
+    # Widened to float32, each product rounded to the dtype Keras's has.
+    qm.int8_values(wide.copy(), scale, overwrite=True, out=block[:, 4:16], step=qm.step_dtype(x.dtype, scale))
     assert block[:, 4:16].tobytes() == qm.int8_values(x, scale).tobytes()
     assert not block[:, :4].any() and not block[:, 16:].any()
 
@@ -214,7 +216,7 @@ def test_in_place_and_strided_outputs_give_the_same_bits(dtype):
     expected = qm.group_values(x, 0, 0, 128, s, z)
     values = np.zeros((256, 20), np.int8)
     scratch = wide.copy()
-    qm.group_values(scratch, 0, 0, 128, s, z, overwrite=True, out=values[:, 2:14])
+    qm.group_values(scratch, 0, 0, 128, s, z, overwrite=True, out=values[:, 2:14], step=qm.step_dtype(x.dtype, s))
     assert values[:, 2:14].tobytes() == expected.tobytes()
     assert np.result_type(wide, s) != wide.dtype or not np.array_equal(scratch, wide)  # it did overwrite
     for axis in (0, 1):

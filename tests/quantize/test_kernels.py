@@ -43,6 +43,12 @@ def _hard_values(rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return x
 
 
+def _step(float_dtype, scale: np.ndarray) -> bool:
+    """Whether Keras rounds each product / quotient to bfloat16 (as the
+    quantizer asks the kernels to)."""
+    return qm.step_dtype(float_dtype, scale) == BF16
+
+
 def _rounded(x: np.ndarray, to_bf16: bool) -> np.ndarray:
     return x.astype(BF16).astype(np.float32) if to_bf16 else x
 
@@ -65,7 +71,7 @@ def test_int4_kernels_equal_keras_on_whole_matrices(group_axis, pack_axis, to_bf
     s, z = qm.group_params(low, high)
     assert s.astype(float_dtype).tobytes() == np.ascontiguousarray(expected_scale).tobytes()
     out = np.full(packed.shape, 99, np.int8)
-    qk.int4_values(x, to_bf16, group_axis, 0, 128, s, z, pack_axis, out)
+    qk.int4_values(x, to_bf16, group_axis, 0, 128, s, z, pack_axis, out, round_step=_step(float_dtype, s))
     assert out.tobytes() == packed.tobytes()
     expected_zero = np.asarray(zero) if group_axis == 0 else np.asarray(zero).T
     assert z.astype("int8").tobytes() == np.ascontiguousarray(expected_zero).tobytes()
@@ -85,10 +91,11 @@ def test_int4_kernels_equal_quantize_math_on_blocks(group_axis, pack_axis, first
     assert all(a.tobytes() == b.tobytes() for a, b in zip(stats, reference))
     float_dtype = BF16 if to_bf16 else np.float32
     s, z = qm.group_params(*(a.astype(float_dtype) for a in stats))
-    expected = qm.pack_int4(qm.group_values(_rounded(x, to_bf16), group_axis, first, 128, s, z), pack_axis)
+    step = qm.step_dtype(float_dtype, s)
+    expected = qm.pack_int4(qm.group_values(_rounded(x, to_bf16), group_axis, first, 128, s, z, step=step), pack_axis)
     wide = np.zeros((expected.shape[0] + 2, expected.shape[1] + 5), np.int8)
     target = wide[1:-1, 2:-3]
-    qk.int4_values(x, to_bf16, group_axis, first, 128, s, z, pack_axis, target)
+    qk.int4_values(x, to_bf16, group_axis, first, 128, s, z, pack_axis, target, round_step=_step(float_dtype, s))
     assert target.tobytes() == expected.tobytes()
     assert not wide[0].any() and not wide[-1].any() and not wide[:, :2].any() and not wide[:, -3:].any()
 
@@ -104,7 +111,7 @@ def test_int8_kernels_equal_keras(axis, to_bf16):
     ours_scale = qm.int8_scale(top.astype(float_dtype))
     assert ours_scale.astype(float_dtype).tobytes() == np.asarray(scale).tobytes()
     out = np.zeros((77, 50), np.int8)
-    qk.int8_values(x, to_bf16, ours_scale, axis, out[:, 5:45])
+    qk.int8_values(x, to_bf16, ours_scale, axis, out[:, 5:45], round_step=_step(float_dtype, ours_scale))
     assert out[:, 5:45].tobytes() == np.asarray(values).tobytes()
     assert not out[:, :5].any() and not out[:, 45:].any()
 
@@ -133,7 +140,9 @@ def test_int8_kernels_on_a_run_of_reduced_axes_equal_keras(axes, to_bf16):
     except AttributeError:  # the trailing run of a strided view: contiguous memory then
         out, target = np.zeros((4, 40, 6), np.int8), None
         view = out.reshape(run.shape)
-    qk.int8_values_run(run, to_bf16, ours_scale.reshape(run.shape[0], 1, run.shape[2]), view)
+    qk.int8_values_run(
+        run, to_bf16, ours_scale.reshape(run.shape[0], 1, run.shape[2]), view, round_step=_step(float_dtype, ours_scale)
+    )
     got = out if target is None else target
     assert got.tobytes() == np.asarray(values).tobytes()
     assert target is None or (not out[:, :, :2].any() and not out[:, :, 8:].any())
