@@ -10,6 +10,8 @@ Every import counts: at module level, inside a function, under
 
 import ast
 import pathlib
+import re
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "keras_hub_dist"
@@ -238,6 +240,31 @@ def test_every_room_has_a_rank():
         f"rooms without a rank: {sorted(rooms - set(RANKS))}; "
         f"ranks of rooms that are gone: {sorted(set(RANKS) - rooms)}"
     )
+
+
+def _subpackages():
+    return {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+
+
+def test_architecture_page_and_pyproject_name_every_room():
+    """docs/architecture.md's table of rooms and its order of imports, and
+    pyproject's packages, agree with the tree and with `RANKS`."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    table = set(re.findall(r"^\| `keras_hub_dist/(\w+)/` \|", page, flags=re.M))
+    assert table == _subpackages(), (
+        f"rooms missing from the table: {sorted(_subpackages() - table)}; "
+        f"rows of rooms that are gone: {sorted(table - _subpackages())}"
+    )
+    order = page.split("## Import ranks", 1)[1].split("\n\n")[2]
+    segments = [re.findall(r"`(\w+)/`", segment) for segment in order.split("→")]
+    named = [rooms for rooms in segments if rooms]
+    assert sorted(r for rooms in named for r in rooms) == sorted(_subpackages()), order
+    ranks = [{RANKS[r] for r in rooms} for rooms in named]
+    assert all(len(rank) == 1 for rank in ranks), (order, ranks)
+    assert [r.pop() for r in ranks] == sorted({RANKS[r] for r in _subpackages()}), order
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    listed = {p.split(".", 1)[1] for p in packages if p.count(".") == 1 and p != "keras_hub_dist._preset_data"}
+    assert listed == _subpackages(), f"pyproject's packages: add {sorted(_subpackages() - listed)}, drop {sorted(listed - _subpackages())}"
 
 
 def test_imports_only_go_down_the_order_of_rooms():
