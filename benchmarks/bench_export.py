@@ -128,8 +128,8 @@ def _case_convert(args, which: str) -> dict:
                           # would count their heap as the conversion's
 
         from keras_hub_dist import _compat
-        from keras_hub_dist.validate import convert
-        from keras_hub_dist.validate.convert import convert_checkpoint
+        from keras_hub_dist.convert import file_to_file as convert
+        from keras_hub_dist.convert.file_to_file import convert_checkpoint
 
         _compat.stock_hf_exporter()
         _compat.transformers_converter({"model_type": "gemma"})

@@ -104,7 +104,10 @@ def measure(lm, batch: int, length: int, layers: int) -> dict:
 
 
 def abstract_lm(name: str, mesh: tuple[int, int], task_cls: type, **overrides):
+    from keras_hub_dist.shaping.apply import shape_model
+
     report = keras_hub_dist.abstract_backbone(name, dtype="bfloat16", **overrides)
+    shape_model(report.model)  # as the loader and the factories shape what they build
     dm = device_mesh(mesh)
     layout_map = keras_hub_dist.get_layout_map(report.model, dm)
     distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")

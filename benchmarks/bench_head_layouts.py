@@ -30,7 +30,7 @@ Measured (2026-11-27, XLA:CPU, jax 0.10.2, Keras 3.15.1, mesh 1x8):
     fit 8 x 512 (Adam)         stock 831 MiB  ours 831  heads 1,519 (1.83x)  heads+norms 887 (1.07x)
     generate 8 x 2048 (greedy) stock 1,118 MiB, the same in all four
     remat, Gemma-7B width, per layer, with Keras's RematScope around the
-    whole build (before plan/remat.py): None 868 MiB, full 676 (0.78x),
+    whole build (before shaping/remat.py): None 868 MiB, full 676 (0.78x),
     larger_than 676 (0.78x), activations 868 (1.00x); --optimizer sgd: the
     same figures (Adam's slots add no temporaries). remat= now applies to
     the decoder blocks only: benchmarks/bench_remat.py (full: 0.03x)
@@ -140,7 +140,7 @@ def main() -> None:
     import keras_hub_dist
     from keras_hub_dist.measure.step_memory import generate_memory, train_step_memory
     from keras_hub_dist.plan import presets
-    from keras_hub_dist.plan.build import build_without_values
+    from keras_hub_dist.shaping.apply import build_shaped
     from keras_hub_dist.plan.family_rules import llama_head_rules
 
     mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), jax.devices())
@@ -159,7 +159,7 @@ def main() -> None:
         )
         keras.distribution.set_distribution(distribution)
         # Abstract: variables have shapes and layouts, no values.
-        backbone, _ = build_without_values(cls, config, remat)
+        backbone, _ = build_shaped(cls, config, remat)
         return backbone
 
     def fit_temp(backbone):

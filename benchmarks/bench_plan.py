@@ -8,7 +8,7 @@ simulated CPU devices and reads XLA's per-device memory analysis, twice:
   `generate` (the prompt pass over all `max_length` positions at once, no
   cache layout), Keras's train step with nothing rematerialized;
 - ours: the package's default layouts, the batch kept on the batch axis
-  between decoder blocks (`plan.batch_axis`), the chunked prompt pass with
+  between decoder blocks (`shaping.batch_axis`), the chunked prompt pass with
   the batch on the batch axis, and for `fit` also with `remat="full"`.
 
 Printed: per-device weights + state (XLA's arguments), temporaries and total
@@ -41,7 +41,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 import keras_hub_dist  # noqa: E402
-from keras_hub_dist.plan import build  # noqa: E402
+from keras_hub_dist.shaping import apply as build  # noqa: E402
 
 ARCHS = ("gemma_7b_en", "gemma2_9b_en", "llama3_8b_en", "qwen3_8b_en", "mistral_7b_en", "gpt_oss_20b_en")
 MIB = 2**20

@@ -19,7 +19,7 @@ default flags), per layer, no remat -> remat="full":
     LoRA r=8 8 x 512         temporaries   773 -> 24 MiB (0.031x), residuals 2,994 -> 24 MiB (0.008x)
     LoRA r=8 8 x 2048        temporaries 3,077 -> 96 MiB (0.031x)
 
-`jax.checkpoint` of each block instead (before plan/remat.py) gave 676 MiB
+`jax.checkpoint` of each block instead (before shaping/remat.py) gave 676 MiB
 (0.78x) and 509 MiB (0.66x) of temporaries at 8 x 512: docs/plan.md.
 """
 

@@ -73,11 +73,11 @@ from keras_hub_dist.plan.layouts import get_layout_map  # noqa: E402
 from keras_hub_dist.plan.quantized_layouts import QuantizationAwareModelParallel  # noqa: E402
 from keras_hub_dist.load.loader import LoadReport  # noqa: E402
 from keras_hub_dist.load.loader import load_sharded_preset  # noqa: E402
-from keras_hub_dist.load.generate import lower_generate  # noqa: E402
-from keras_hub_dist.load.generate import shard_generate  # noqa: E402
+from keras_hub_dist.shaping.generate import lower_generate  # noqa: E402
+from keras_hub_dist.shaping.generate import shard_generate  # noqa: E402
 from keras_hub_dist.load.restore import restore_checkpoint  # noqa: E402
 from keras_hub_dist.save.api import save_sharded_preset  # noqa: E402
-from keras_hub_dist.validate.convert import convert_checkpoint  # noqa: E402
+from keras_hub_dist.convert.file_to_file import convert_checkpoint  # noqa: E402
 from keras_hub_dist.save.lora_adapter import save_lora_adapter  # noqa: E402
 from keras_hub_dist.adapters import enable_lora  # noqa: E402
 from keras_hub_dist.measure.memory import MemorySampler  # noqa: E402

@@ -10,8 +10,11 @@ Every import counts: at module level, inside a function, under
 
 import ast
 import pathlib
+import re
+import tomllib
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_hub_dist"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "keras_hub_dist"
 MAX_LINES = 600
 
 # The order of the rooms, bottom to top: a module imports modules of its own
@@ -31,26 +34,36 @@ RANKS = {
     "storage": 3,
     # Memory measurement, which the loader (memory_report) and validate use.
     "measure": 4,
-    # The phases: plan -> formats (what the bytes mean) -> quantize (int8 /
-    # int4 from float blocks) -> init / load / save -> validate.
+    # The phases: plan (where each weight lives) -> shaping (how fit and
+    # generate run on the mesh: the batch axis, the gathers, the
+    # weight-stationary layouts, remat, the chunked prompt pass and the KV
+    # cache's layout, the task around a backbone), applied by the builders
+    # above it -> formats (what the bytes mean) -> quantize (int8 / int4
+    # from float blocks) -> init / load / save.
     "plan": 5,
-    "formats": 6,
-    "quantize": 7,
-    "init": 8,
-    "load": 8,
-    "save": 8,
-    "adapters": 9,
+    "shaping": 6,
+    "formats": 7,
+    "quantize": 8,
+    "init": 9,
+    "load": 9,
+    "save": 9,
+    "adapters": 10,
+    # A checkpoint turned into the other format file to file: it reads as
+    # `load` does and writes as `save` does.
+    "convert": 10,
     # The job around the checkpoint (fit / generate planned per device): it
     # builds tasks as the loader does and LoRA as `adapters` does.
-    "jobs": 10,
-    # The command line and the validation report, which plan jobs too.
-    "validate": 11,
+    "jobs": 11,
+    # The validation worker, runner and report, which plan jobs too.
+    "validate": 12,
+    # The command line: `keras-hub-dist validate | convert | plan`.
+    "cli": 13,
     # Public names re-exported from their homes, then the package itself.
-    "initializers": 12,
-    "memory": 12,
-    "presets": 12,
-    "registry": 12,
-    "": 13,
+    "initializers": 14,
+    "memory": 14,
+    "presets": 14,
+    "registry": 14,
+    "": 15,
 }
 
 
@@ -179,15 +192,15 @@ def test_private_name_walk_sees_imports_and_attributes():
         "import keras_hub_dist.save.saver\n"
         "from keras_hub_dist.save import hf_export, saver as s\n"
         "from keras_hub_dist.save.staging import _report, publish\n"
-        "from keras_hub_dist.validate import convert\n"
+        "from keras_hub_dist.convert import file_to_file\n"
         "def f():\n"
         "    s._prepare()\n"
         "    hf_export._finish()\n"
         "    keras_hub_dist.save.saver._claim_target()\n"
-        "    convert._to_keras()\n"
+        "    file_to_file._to_keras()\n"
         "    hf_export.__name__, publish._x\n"
     )
-    assert _private_uses("keras_hub_dist.validate.convert_x", source) == [
+    assert _private_uses("keras_hub_dist.convert.into_bucket", source) == [
         "from keras_hub_dist.save.staging import _report",
         "s._prepare",
         "hf_export._finish",
@@ -227,6 +240,31 @@ def test_every_room_has_a_rank():
         f"rooms without a rank: {sorted(rooms - set(RANKS))}; "
         f"ranks of rooms that are gone: {sorted(set(RANKS) - rooms)}"
     )
+
+
+def _subpackages():
+    return {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+
+
+def test_architecture_page_and_pyproject_name_every_room():
+    """docs/architecture.md's table of rooms and its order of imports, and
+    pyproject's packages, agree with the tree and with `RANKS`."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    table = set(re.findall(r"^\| `keras_hub_dist/(\w+)/` \|", page, flags=re.M))
+    assert table == _subpackages(), (
+        f"rooms missing from the table: {sorted(_subpackages() - table)}; "
+        f"rows of rooms that are gone: {sorted(table - _subpackages())}"
+    )
+    order = page.split("## Import ranks", 1)[1].split("\n\n")[2]
+    segments = [re.findall(r"`(\w+)/`", segment) for segment in order.split("→")]
+    named = [rooms for rooms in segments if rooms]
+    assert sorted(r for rooms in named for r in rooms) == sorted(_subpackages()), order
+    ranks = [{RANKS[r] for r in rooms} for rooms in named]
+    assert all(len(rank) == 1 for rank in ranks), (order, ranks)
+    assert [r.pop() for r in ranks] == sorted({RANKS[r] for r in _subpackages()}), order
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    listed = {p.split(".", 1)[1] for p in packages if p.count(".") == 1 and p != "keras_hub_dist._preset_data"}
+    assert listed == _subpackages(), f"pyproject's packages: add {sorted(_subpackages() - listed)}, drop {sorted(listed - _subpackages())}"
 
 
 def test_imports_only_go_down_the_order_of_rooms():

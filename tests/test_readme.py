@@ -28,4 +28,4 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 def test_console_script_is_declared():
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'keras-hub-dist = "keras_hub_dist.validate.cli:main"' in pyproject
+    assert 'keras-hub-dist = "keras_hub_dist.cli.main:main"' in pyproject

@@ -57,7 +57,7 @@ _QUIET = flags.DEFINE_boolean("quiet", False, "No progress lines.")
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    from keras_hub_dist.validate import cli
+    from keras_hub_dist.cli import main as cli
     from keras_hub_dist.validate.options import ValidateOptions
 
     try:

@@ -46,7 +46,7 @@ from keras_hub_dist.formats.huggingface import checksum_metadata
 from keras_hub_dist.formats.safetensors_files import read_header
 from keras_hub_dist.formats.transforms import Transpose, reshape
 from keras_hub_dist.plan import lora_layers
-from keras_hub_dist.plan.remat import apply_remat, remat_scope
+from keras_hub_dist.shaping.remat import apply_remat, remat_scope
 from keras_hub_dist.save.lora_map import LoraModule, lora_modules
 
 __all__ = ["ALL_PROJECTIONS", "enable_lora", "enable_lora_without_values", "read_adapter"]
@@ -84,7 +84,7 @@ def enable_lora(
             the model's as it is (as built: off unless loaded with
             `remat=`); a `keras.RematScope` mode (`"full"`: each decoder
             block rematerialized, ...) or scope replaces it
-            (`plan.remat.apply_remat`: the decoder blocks only).
+            (`shaping.remat.apply_remat`: the decoder blocks only).
 
     Returns:
         The paths of the layers LoRA was enabled on.

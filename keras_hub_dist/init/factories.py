@@ -29,7 +29,7 @@ the text-only ones), the Gemma 4 and Qwen 3.5 factories build the text-only
 model by default: the config's vision (and audio) encoder is dropped unless
 `text_only=False` is passed. Every factory takes `remat=` (`None`, a
 `keras.RematScope` mode or scope): a later `fit` rematerializes the
-decoder blocks (`plan.remat`).
+decoder blocks (`shaping.remat`).
 
 Example:
 
@@ -59,7 +59,8 @@ from keras_hub_dist.init import initializers
 from keras_hub_dist.init import registry
 from keras_hub_dist.init.quantized import initialize_quantized
 from keras_hub_dist.plan import presets
-from keras_hub_dist.plan.build import build_without_values, remat_scope
+from keras_hub_dist.shaping.apply import build_shaped
+from keras_hub_dist.shaping.remat import remat_scope
 from keras_hub_dist.plan.quantization import check_quantize_arguments
 
 __all__ = [
@@ -209,7 +210,7 @@ def _build(factory: str, name_or_config: Any, overrides: dict[str, Any],
         )
     _towers(factory, config, overrides, text_only)
     path = registry.lookup(family)
-    backbone, created = build_without_values(cls, config, remat)
+    backbone, created = build_shaped(cls, config, remat)
     _inject_twin(backbone.token_embedding, path)
     for attribute in _EXTRA_EMBEDDINGS.get(family, ()):
         layer = getattr(backbone, attribute, None)
@@ -241,7 +242,7 @@ def gemma_backbone(name_or_config: Any, /, **overrides: Any):
             the host one at a time (`init.quantized`); and `remat=`:
             rematerialization in training, `None` (off), a
             `keras.RematScope` mode (`"full"`, ...) or a `keras.RematScope`,
-            on the decoder blocks (`plan.remat.apply_remat`).
+            on the decoder blocks (`shaping.remat.apply_remat`).
 
     Returns:
         The backbone; `backbone.token_embedding.embeddings_initializer` is a

@@ -37,8 +37,9 @@ import keras
 from keras_hub_dist import _compat
 from keras_hub_dist.adapters import enable_lora_without_values
 from keras_hub_dist.errors import LayoutError
-from keras_hub_dist.load.tasks import task_class
+from keras_hub_dist.shaping.tasks import task_class
 from keras_hub_dist.plan.build import build_abstract
+from keras_hub_dist.shaping.apply import shape_model
 from keras_hub_dist.plan.layouts import get_layout_map
 from keras_hub_dist.plan.mesh import axis_sizes, device_mesh
 from keras_hub_dist.plan.quantization import quantize_without_values
@@ -168,7 +169,8 @@ def abstract_job(
         LayoutError: The mesh needs more devices than this process has.
     """
     keras_mesh = device_mesh(mesh)
-    backbone = build_abstract(backbone_cls, config, remat, batch_split=not stock_layout)
+    backbone = build_abstract(backbone_cls, config)
+    shape_model(backbone, remat, batch_split=not stock_layout)
     if quantize is not None:
         quantize_without_values(backbone, quantize)
     source = "keras_hub_dist"

@@ -49,9 +49,9 @@ from keras_hub_dist.errors import PlanError
 from keras_hub_dist.formats import huggingface
 from keras_hub_dist.jobs import programs
 from keras_hub_dist.jobs.abstract_job import AbstractJob, abstract_job, sharding_of
-from keras_hub_dist.load.generate import check_prompt_chunk
+from keras_hub_dist.shaping.generate import check_prompt_chunk
 from keras_hub_dist.plan import presets
-from keras_hub_dist.plan.build import remat_scope
+from keras_hub_dist.shaping.remat import remat_scope
 from keras_hub_dist.plan.mesh import axis_sizes, device_mesh
 from keras_hub_dist.plan.sizes import itemsize
 

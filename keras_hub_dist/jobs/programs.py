@@ -38,9 +38,9 @@ import keras
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PlanError
 from keras_hub_dist.jobs.abstract_job import AbstractJob, sharding_of
-from keras_hub_dist.load import generate as load_generate
+from keras_hub_dist.shaping import generate as load_generate
 from keras_hub_dist.measure.memory import compiled_memory
-from keras_hub_dist.plan import stationary_weights
+from keras_hub_dist.shaping import stationary_weights
 from keras_hub_dist.plan.sizes import itemsize
 
 __all__ = [
@@ -210,7 +210,7 @@ def lower_generate(
     The task generates as `load_sharded_preset(..., task="causal_lm")`
     returns it (`shard_generate(prompt_chunk=..., shard_batch=...)`; `None`
     and `False`: stock), with KerasHub's default sampler; `lower_generate`
-    of `load.generate` lowers the very jitted function `generate` calls.
+    of `shaping.generate` lowers the very jitted function `generate` calls.
     """
     task = job.task
     with job.scope():
@@ -222,12 +222,12 @@ def lower_generate(
 def kv_cache_bytes(job: AbstractJob, batch_size: int, max_length: int) -> int | None:
     """Per-device bytes of the stacked KV cache `[B, layers, 2, S, kv_heads,
     head_dim]` the stacked-cache causal LMs build, split as `shard_generate`
-    constrains it (`load/generate.py`'s `_constrain_cache`): the batch over
+    constrains it (`shaping/generate.py`'s `_constrain_cache`): the batch over
     the data axis and the KV heads over the model axis, each where it
     divides, and with fewer KV heads than the model axis their head
     dimension there; where the data axis is over 1 and a mesh axis divides
     the KV heads, the heads over the axes that divide them and the batch
-    over the others (`plan/stationary_weights.py`). `None` for another
+    over the others (`shaping/stationary_weights.py`). `None` for another
     cache."""
     task = job.task
     if not load_generate.has_stacked_cache(task):

@@ -6,7 +6,7 @@ reads each tensor whole into host memory, puts it whole on device 0 and only
 then re-shards it. `load_sharded_preset` instead:
 
 1. builds the backbone from the preset's `config.json` with every variable
-   created without a value (`plan.build.build_without_values`):
+   created without a value (`shaping.apply.build_shaped`):
    no weight is generated;
 2. indexes the checkpoint through its format module (`keras_hub_dist.formats`:
    which tensor holds which variable, at which byte offset) and validates
@@ -68,10 +68,11 @@ from keras_hub_dist.load.execute import ExecuteStats, execute_plan
 from keras_hub_dist.load.report import LoadReport
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.load.source import PresetSource, read_config, read_metadata, resolve_source
-from keras_hub_dist.load.generate import DEFAULT_PROMPT_CHUNK, check_prompt_chunk, shard_generate
-from keras_hub_dist.load.tasks import build_task, check_classes, task_class
+from keras_hub_dist.shaping.generate import DEFAULT_PROMPT_CHUNK, check_prompt_chunk, shard_generate
+from keras_hub_dist.shaping.tasks import build_task, check_classes, task_class
 from keras_hub_dist.measure.memory import MemorySampler
-from keras_hub_dist.plan.build import build_without_values, remat_scope
+from keras_hub_dist.shaping.apply import build_shaped
+from keras_hub_dist.shaping.remat import remat_scope
 from keras_hub_dist.plan.mesh import device_mesh as parse_mesh
 from keras_hub_dist.plan.mesh import jax_mesh
 from keras_hub_dist.plan import quantization
@@ -205,7 +206,7 @@ def load_sharded_preset(
             Keras's default), a `keras.RematScope` mode (`"full"`,
             `"activations"`, `"larger_than"`, `"list_of_layers"`) or a
             `keras.RematScope`, applied to the decoder blocks only
-            (`plan.remat`: `"full"` recomputes each block in the backward
+            (`shaping.remat`: `"full"` recomputes each block in the backward
             pass from its input, a fit step's per-layer temporaries 0.03x,
             for one more forward pass; docs/plan.md#rematerialization).
 
@@ -382,7 +383,7 @@ def _load_from(
     # argument (None included, i.e. Keras's global dtype policy) replaces the
     # saved policy, except a quantized preset's policy map, which is kept.
     backbone_config = quantized.preset_config(backbone_config, options.dtype, mode, source.label)
-    backbone, deferred = build_without_values(backbone_cls, backbone_config, options.remat)
+    backbone, deferred = build_shaped(backbone_cls, backbone_config, options.remat)
     _compat.own_dtype_policies(backbone)  # a quantized preset's layers
     quantizing = None
     try:

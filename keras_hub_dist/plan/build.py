@@ -3,7 +3,10 @@
 `build_without_values` is the one way the package builds a model before its
 weights exist: the loader fills the variables from a checkpoint, the
 factories draw them in their shards, and `build_abstract` leaves them
-abstract (an eager read raises) for shapes and planning. `variable_specs`
+abstract (an eager read raises) for shapes and planning. How the model then
+runs on the mesh (the batch kept on the batch axis, remat) is applied by
+the builders' callers, `shaping.apply.build_shaped`: this room holds where
+the weights live, not how `fit` and `generate` run. `variable_specs`
 gives a named architecture's variable paths, shapes and dtypes from such a
 build, cached.
 
@@ -43,16 +46,12 @@ import keras
 
 from keras_hub_dist import _compat
 from keras_hub_dist.plan import presets
-from keras_hub_dist.plan.batch_axis import keep_batch_split
-from keras_hub_dist.plan.remat import REMAT_MODES, apply_remat, remat_scope
 from keras_hub_dist.plan.sizes import itemsize
 
 __all__ = [
-    "REMAT_MODES",
     "VariableSpec",
     "build_abstract",
     "build_without_values",
-    "remat_scope",
     "specs_of",
     "variable_specs",
 ]
@@ -102,37 +101,25 @@ class _NoValue:
         )
 
 
-def build_without_values(
-    cls: type, config: Mapping[str, Any], remat: Any = None, *, batch_split: bool = True
-) -> tuple[keras.Model, list[Any]]:
+def build_without_values(cls: type, config: Mapping[str, Any]) -> tuple[keras.Model, list[Any]]:
     """Constructs `cls.from_config(config)` with no variable given a value.
 
     The one way the package builds a model before its weights exist: the
     variables have paths, shapes, dtypes and their (pending) initializers,
     and no memory. Callers then fill them from a checkpoint, draw them in
-    their shards, or leave them abstract.
+    their shards, or leave them abstract. The model is as stock KerasHub
+    builds it: `shaping.apply.build_shaped` also keeps its batch on the
+    mesh's data axis and rematerializes its decoder blocks.
 
     Args:
         cls: The backbone class.
         config: Its config.
-        remat: Rematerialization of the decoder blocks in training
-            (`plan.remat.apply_remat`): `None` (off), a `keras.RematScope`
-            mode name or a scope.
-        batch_split: Keep the batch on the mesh's data axis between the
-            decoder blocks, and grouped-KV attention's q / k / v outputs on
-            (batch, heads) (`plan.batch_axis.keep_batch_split`); `False`: as
-            stock KerasHub.
 
     Returns:
         `(model, variables created)`, the variables still pending.
     """
-    remat_scope(remat)  # an unknown mode fails before anything is built
     with _compat.creating_variables_without_values() as created, _each_layer_kind_traced_once():
         model = cls.from_config(dict(config))
-    if batch_split:
-        keep_batch_split(model)
-    if remat is not None:
-        apply_remat(model, remat)
     return model, created
 
 
@@ -196,13 +183,10 @@ def _each_layer_kind_traced_once() -> Iterator[None]:
         keras.Operation.compute_output_spec = keras_spec
 
 
-def build_abstract(
-    cls: type, config: Mapping[str, Any], remat: Any = None, *, batch_split: bool = True
-) -> keras.Model:
+def build_abstract(cls: type, config: Mapping[str, Any]) -> keras.Model:
     """`cls.from_config(config)` whose variables raise on an eager read
-    (its decoder blocks rematerialized and kept batch-split as
-    `build_without_values` does)."""
-    model, created = build_without_values(cls, config, remat, batch_split=batch_split)
+    (built as `build_without_values` builds it)."""
+    model, created = build_without_values(cls, config)
     for variable in created:
         _compat.set_pending_initializer(variable, _NoValue(variable.path))
     return model

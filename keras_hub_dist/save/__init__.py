@@ -8,5 +8,5 @@ replayed; `hf_families` for the families KerasHub cannot export), its small
 files `hf_files`, and `piece_write` writes blocks through their element
 maps. `api` is the public `save_sharded_preset` over both; `staging` owns
 the temporary directory every save publishes. Converting one format's files
-to the other's is `validate.convert` (it reads as the loader does too).
+to the other's is `convert.file_to_file` (it reads as the loader does too).
 """

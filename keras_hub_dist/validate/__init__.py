@@ -1,11 +1,11 @@
 """Validate: measure ours against stock KerasHub, per device.
 
-The `keras-hub-dist` command (`cli`) and its settings (`options`); the driver
-that runs each case in a fresh process (`runner`) and the measuring child
-(`worker`); the report's verdicts and table (`report`), its JSON schema and
-exit codes (`schema`) and its plot (`plot`). `convert` (`keras-hub-dist
-convert`) turns a checkpoint into the other format file to file: it reads as
-`load` does and writes as `save` does, so it lives in this room above both. The memory it measures with is
-`keras_hub_dist.measure`, a room below the loader, which measures with it too
-(`memory_report=True`).
+The settings of a run (`options`); the driver that runs each case in a
+fresh process (`runner`) and the measuring children (`worker`, and
+`job_worker` for fit / generate, reported by `job_report`); the report's
+verdicts and table (`report`), its JSON schema and exit codes (`schema`)
+and its plot (`plot`). The `keras-hub-dist validate` command that runs it
+is `keras_hub_dist.cli`. The memory it measures with is
+`keras_hub_dist.measure`, a room below the loader, which measures with it
+too (`memory_report=True`).
 """

@@ -48,7 +48,7 @@ PHASES = ("init", "load", "fit", "generate")
 DEFAULT_PHASES = ("init", "load")
 JOB_PHASES = ("fit", "generate")
 CASES = ("ours", "stock")
-# `--remat`: `keras.RematScope`'s modes (`plan.remat.REMAT_MODES`, not
+# `--remat`: `keras.RematScope`'s modes (`shaping.remat.REMAT_MODES`, not
 # imported: no Keras here; tests/validate/test_validate_jobs.py compares).
 REMAT_MODES = ("full", "activations", "larger_than", "list_of_layers")
 # The formats of the synthetic checkpoint the load phase writes for a named

@@ -18,7 +18,7 @@ from keras_hub_dist.jobs import programs
 from keras_hub_dist.jobs.abstract_job import abstract_job
 from keras_hub_dist.jobs.memory_plan import plan_memory
 from keras_hub_dist.measure import memory, program_watch
-from keras_hub_dist.validate.cli import main as cli_main
+from keras_hub_dist.cli.main import main as cli_main
 
 TINY = dict(
     vocabulary_size=256, num_layers=1, num_query_heads=8, num_key_value_heads=8,
@@ -107,7 +107,7 @@ def test_generate_plan_equals_the_real_generate(gemma_preset, mesh, stock):
     else:
         # [8, 1 layer, 2, 16, 8 KV heads, 8] f32, an eighth per device: on
         # (1, 8) the heads over the model axis; on (2, 4) and (8, 1) every
-        # batch row, the heads over both axes (plan/stationary_weights.py).
+        # batch row, the heads over both axes (shaping/stationary_weights.py).
         assert plan.kv_cache_bytes == 8 * 1 * 2 * 16 * 8 * 8 * 4 // 8
 
 

@@ -303,7 +303,7 @@ def test_gemma_norm_scales_are_split_on_the_model_axis(mesh):
 def test_gemma_fit_temporaries_below_stock(mesh):
     # The norm scales on the model axis keep the residual stream split on
     # it, and on (2, 4) each block's output keeps the batch on the data
-    # axis (`plan.batch_axis`), so the activations a fit step keeps for its
+    # axis (`shaping.batch_axis`), so the activations a fit step keeps for its
     # backward pass are split over both axes. Compile only (plan_memory,
     # abstract).
     plans = {

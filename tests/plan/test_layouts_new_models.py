@@ -23,7 +23,7 @@ from keras_hub_dist import _compat
 from keras_hub_dist.plan import layouts
 from keras_hub_dist.plan import presets
 from keras_hub_dist.plan import specs as spec_lib
-from keras_hub_dist.plan.build import build_without_values
+from keras_hub_dist.shaping.apply import build_shaped
 from keras_hub_dist.plan.abstract import per_device_bytes
 from keras_hub_dist.plan.mesh import abstract_device_mesh
 from conftest import EXPERT_BANK, jitted_outputs
@@ -274,7 +274,7 @@ def _build(cls, config, values=None):
     """Builds the model with `values` (path -> array) instead of drawing its
     initializers (far fewer XLA compilations than an eager random build),
     laid out by the active distribution."""
-    model, created = build_without_values(cls, config)
+    model, created = build_shaped(cls, config)
     if values is None:
         rng = np.random.default_rng(0)
         values = {

@@ -14,7 +14,8 @@ from keras_hub_dist import SaveError, convert_checkpoint, load_sharded_preset
 from keras_hub_dist import write_synthetic_preset
 from keras_hub_dist.formats import checksums
 from keras_hub_dist.storage import uploads
-from keras_hub_dist.validate import cli, convert_remote
+from keras_hub_dist.cli import main as cli
+from keras_hub_dist.convert import into_bucket as convert_remote
 from remote import stores
 from tests.remote.test_remote_save import _local_files, _objects
 

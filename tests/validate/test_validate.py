@@ -9,7 +9,7 @@ import sys
 import keras
 import pytest
 
-from keras_hub_dist.validate import cli
+from keras_hub_dist.cli import main as cli
 from keras_hub_dist.validate import options as _options
 from keras_hub_dist.validate import plot as _plot
 from keras_hub_dist.validate import report as _report_mod
@@ -379,7 +379,7 @@ def test_cli_end_to_end_budget_json_and_plot(tmp_path, tiny_preset):
     env = command_env()  # the tool sets the device count itself
     proc = subprocess.run(
         [
-            sys.executable, "-m", "keras_hub_dist.validate.cli", "validate",
+            sys.executable, "-m", "keras_hub_dist.cli.main", "validate",
             "--preset", tiny_preset, "--mesh", "2x4", "--phases", "load", "--hbm_gb", str(8 * KIB / 2**30),
             "--json", str(json_path), "--plot", str(plot_path),
         ],

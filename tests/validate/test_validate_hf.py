@@ -16,7 +16,7 @@ import keras_hub
 import pytest
 
 from keras_hub_dist.formats.synthetic_hf import write_synthetic_hf_checkpoint
-from keras_hub_dist.validate import cli
+from keras_hub_dist.cli import main as cli
 from keras_hub_dist.validate import options as _options
 from keras_hub_dist.validate import report as _report_mod
 from keras_hub_dist.validate import runner as _runner
@@ -69,7 +69,7 @@ def _forked_run(cmd, env, stdout, stderr, timeout, check):
 def _run_cli(args, capsys, monkeypatch):
     """`keras-hub-dist validate ARGS` in this process, each case in its own
     forked process. The command's real start (`python -m
-    keras_hub_dist.validate.cli`, fresh case processes) is run end to end by
+    keras_hub_dist.cli.main`, fresh case processes) is run end to end by
     tests/validate/test_validate.py::test_cli_end_to_end_budget_json_and_plot."""
     forked = types.SimpleNamespace(
         run=_forked_run, STDOUT=subprocess.STDOUT, TimeoutExpired=subprocess.TimeoutExpired

@@ -6,8 +6,8 @@ import json
 import keras
 import pytest
 
-from keras_hub_dist.plan.remat import REMAT_MODES
-from keras_hub_dist.validate import cli
+from keras_hub_dist.shaping.remat import REMAT_MODES
+from keras_hub_dist.cli import main as cli
 from keras_hub_dist.validate import job_worker
 from keras_hub_dist.validate import options as _options
 from keras_hub_dist.validate import report as _report_mod

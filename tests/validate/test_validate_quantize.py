@@ -6,7 +6,7 @@ import keras
 import keras_hub
 import pytest
 
-from keras_hub_dist.validate import cli
+from keras_hub_dist.cli import main as cli
 from keras_hub_dist.validate import report as _report_mod
 from keras_hub_dist.validate import runner as _runner
 from keras_hub_dist.validate import worker as _validate_worker

@@ -29,9 +29,9 @@ Example:
 
 ```python
 import keras_hub
-from keras_hub_dist.plan.build import build_without_values
+from keras_hub_dist.shaping.apply import build_shaped
 
-backbone, _ = build_without_values(
+backbone, _ = build_shaped(
     keras_hub.models.GemmaBackbone,
     dict(vocabulary_size=256, num_layers=2, num_query_heads=2,
          num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8),
@@ -50,7 +50,7 @@ import keras
 import numpy as np
 
 from keras_hub_dist import _compat
-from keras_hub_dist.plan import block_gathers
+from keras_hub_dist.shaping import block_gathers
 
 __all__ = ["REMAT_MODES", "apply_remat", "decoder_blocks", "remat_scope"]
 

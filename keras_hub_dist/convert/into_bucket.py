@@ -1,7 +1,7 @@
 """`convert SRC DST` with `DST` in object storage (`s3://`, `gs://`): the
 converted files uploaded in parts as they are written, with no local copy.
 
-`validate.convert` converts tile by tile: each tile of a source tensor is
+`convert.file_to_file` converts tile by tile: each tile of a source tensor is
 read, transposed or cast, and written at its offsets in the target file. An
 object store has no positioned writes, so here the target files are
 multipart uploads (`storage.part_uploads.PartUploads`, 64 MiB parts, each a

@@ -1,4 +1,4 @@
-"""`remat=`: the decoder blocks rematerialized (`plan.remat`), never the
+"""`remat=`: the decoder blocks rematerialized (`shaping.remat`), never the
 embedding, so a causal LM's `fit` works; and what it saves.
 
 The memory test compiles only (XLA's `memory_analysis()` of Keras's train
@@ -16,9 +16,9 @@ import pytest
 import keras_hub_dist
 from keras_hub_dist.jobs import programs
 from keras_hub_dist.jobs.abstract_job import abstract_job
-from keras_hub_dist.plan import block_gathers
-from keras_hub_dist.plan.build import build_without_values, remat_scope
-from keras_hub_dist.plan.remat import apply_remat, checkpointed
+from keras_hub_dist.shaping import block_gathers
+from keras_hub_dist.shaping.apply import build_shaped
+from keras_hub_dist.shaping.remat import apply_remat, checkpointed, remat_scope
 
 TINY_MISTRAL = dict(
     vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
@@ -74,9 +74,9 @@ def test_only_the_decoder_blocks_are_rematerialized():
     built = keras_hub_dist.gemma_backbone(TINY_GEMMA, remat="full")
     assert _rematerialized(built) == (blocks, {None})
     scope = keras.RematScope("list_of_layers", layer_names=["decoder_block_1", "token_embedding"])
-    model, _ = build_without_values(keras_hub.models.GemmaBackbone, TINY_GEMMA, scope)
+    model, _ = build_shaped(keras_hub.models.GemmaBackbone, TINY_GEMMA, scope)
     assert _rematerialized(model) == ({"decoder_block_1"}, {None})
-    model, _ = build_without_values(keras_hub.models.GemmaBackbone, TINY_GEMMA, "activations")
+    model, _ = build_shaped(keras_hub.models.GemmaBackbone, TINY_GEMMA, "activations")
     checkpointed, modes = _rematerialized(model)
     assert not checkpointed and modes == {None, ("activations", 1024, ())}
     assert model.get_layer("token_embedding")._remat_mode is None

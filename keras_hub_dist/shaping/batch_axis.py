@@ -28,7 +28,7 @@ bf16, Adam, full fine-tune, per device; `python benchmarks/bench_plan.py
 was FSDP's: its weights gathered, kept from the forward pass to the
 backward pass, and its gradients summed over the local half of the batch
 at the size of their model-axis shards until one all-reduce at the end of
-the step (`plan/block_gathers.py` now gathers them again in the backward
+the step (`shaping/block_gathers.py` now gathers them again in the backward
 pass and reduces them per block).
 
 On a mesh that is all data axis, (8, 1), every weight is gathered whole, and
@@ -49,11 +49,11 @@ cache returns a tuple: `generate` lays its own out, `shard_generate`), only
 under a distribution whose data axis is over 1 and divides the batch.
 
 `generate` where a mesh axis divides the KV heads
-(`plan/stationary_weights.py`, set by `load/generate.py`): the block
+(`shaping/stationary_weights.py`, set by `shaping/generate.py`): the block
 computes with its weights where they are stored, the heads over the axes
 that divide them and the batch whole outside the attention; the rules
 below that keep the batch on the data axis in `generate`, and the gathers
-of `plan/block_gathers.py`, are for the other models (one KV head: Gemma
+of `shaping/block_gathers.py`, are for the other models (one KV head: Gemma
 2B; another cache: Gemma 3 / 4, Qwen 3.5).
 
 Attention with grouped KV heads (fewer KV heads than query heads: Llama 3,
@@ -96,7 +96,7 @@ per device, before -> tokens on the data axis ((1, 8)): generate 8 x 1024
 Since then the maps store the bank with its experts over both axes
 (`plan.family_rules`): generate 2,550, fit 9,451 MiB.
 
-Each block's weights gathered when it runs (`plan/block_gathers.py`): in
+Each block's weights gathered when it runs (`shaping/block_gathers.py`): in
 `generate` a block reads its weights after its input, so their gathers
 stay inside the prompt and decode loops; in a fit step, where the batch
 is kept split, a block's backward pass gathers its weights again and
@@ -106,7 +106,7 @@ Example:
 
 ```python
 import keras_hub
-from keras_hub_dist.plan.batch_axis import keep_batch_split
+from keras_hub_dist.shaping.batch_axis import keep_batch_split
 from keras_hub_dist.plan.build import build_without_values
 
 backbone, _ = build_without_values(
@@ -114,7 +114,7 @@ backbone, _ = build_without_values(
     dict(vocabulary_size=256, num_layers=2, num_query_heads=4,
          num_key_value_heads=2, hidden_dim=32, intermediate_dim=64),
 )
-keep_batch_split(backbone)   # build_without_values does it by default
+keep_batch_split(backbone)   # shaping.apply.build_shaped does it by default
 ```
 """
 
@@ -128,7 +128,7 @@ from typing import Any
 import jax
 import keras
 
-from keras_hub_dist.plan import block_gathers, stationary_weights
+from keras_hub_dist.shaping import block_gathers, stationary_weights
 
 __all__ = ["constrain_where_divisible", "keep_batch_split"]
 
@@ -138,11 +138,11 @@ def keep_batch_split(model: Any) -> None:
     with grouped KV heads the q / k / v projections' batch and heads, and in
     `generate` the feed-forward's input batch to every device; Gemma 4's
     expert bank's tokens to the data axis; each block's weights gathered
-    when it runs (`plan.block_gathers`); in `generate` where a mesh axis
+    when it runs (`shaping.block_gathers`); in `generate` where a mesh axis
     divides the KV heads, each projection's input (and the attention's
     output projection's output) laid out as its kernel is stored and the
     attention's heads (and batch) over the mesh axes
-    (`plan.stationary_weights`); in `generate`, the keys and values that
+    (`shaping.stationary_weights`); in `generate`, the keys and values that
     Gemma 4's KV-shared layers read with their head dimension on the model
     axis where it does not divide their heads.
 
@@ -221,7 +221,7 @@ def _block_call(block: Any) -> Any:
     def constrained_call(*args: Any, **kwargs: Any) -> Any:
         with_a_cache = any(v is not None for k, v in kwargs.items() if k.endswith("cache"))
         hidden = args[0] if args and getattr(args[0], "ndim", None) == 3 else None
-        # Set by `generate` (`load/generate.py`) where the mesh divides the
+        # Set by `generate` (`shaping/generate.py`) where the mesh divides the
         # KV heads: the block computes with its weights where they are.
         axes = stationary_weights.HEADS_AXES.get() if with_a_cache else None
         tokens = _WITH_A_CACHE.set(with_a_cache), stationary_weights.HEADS_AXES.set(axes)
@@ -344,7 +344,7 @@ def _shared_kv_head_dim_split(compute_attention: Any) -> Any:
     in `generate` on a (data, model) mesh with both axes over 1 whose model
     axis does not divide the KV heads, the key's and value's batch on the
     data axis and head dimension on the model axis: the stacked cache's
-    layout (`load/generate.py`).
+    layout (`shaping/generate.py`).
 
     Gemma 4 slices a layer's keys and values out of a cache as wide as its
     widest head (`[..., :head_dim]`); that slice spans some of the model

@@ -1,6 +1,6 @@
 """The batch kept on the data axis between decoder blocks, grouped-KV
 attention's q / k / v outputs on (batch, heads), and stacked expert banks
-computed with their experts over both axes (`plan.batch_axis`).
+computed with their experts over both axes (`shaping.batch_axis`).
 
 The memory tests compile only (XLA's `memory_analysis()` of Keras's train
 step and KerasHub's generate on abstract models, no weight allocated); the
@@ -18,7 +18,7 @@ import pytest
 import keras_hub_dist
 from keras_hub_dist.jobs import programs
 from keras_hub_dist.jobs.abstract_job import abstract_job
-from keras_hub_dist.plan import block_gathers
+from keras_hub_dist.shaping import block_gathers
 
 # Wide enough that a block's activations outweigh its weights' transients.
 WIDE_LLAMA = dict(
@@ -29,7 +29,7 @@ BATCH, SEQ = 8, 256
 # One KV head (multi-query attention), which no mesh axis over 1 divides:
 # `generate` keeps the batch on the data axis and gathers each block's
 # weights (where a mesh axis divides the KV heads, it computes with the
-# weights where they are stored: tests/plan/test_stationary_weights.py).
+# weights where they are stored: tests/shaping/test_stationary_weights.py).
 FEW_KV_HEADS = dict(WIDE_LLAMA, num_key_value_heads=1)
 
 
@@ -74,7 +74,7 @@ def test_blocks_keep_the_batch_on_the_data_axis(mesh, seq, kept_split, clean_sta
         heads = [f'<@mesh, [{{"batch"}}, {{?}}, {{"model"}}, {{?}}]> : tensor<8x{seq}x{h}x16xf32>' for h in (16, 8)]
         assert [found.count(h) for h in heads] == ([4, 8] if mesh == (2, 4) else [0, 0])
         # And each block's gradients to their stored layouts in its backward
-        # pass (2 layers x 9 weights; `plan.block_gathers`).
+        # pass (2 layers x 9 weights; `shaping.block_gathers`).
         grads = [f for f in found if "?" not in f]
         assert len(grads) == 2 * 9
         assert len(found) == 4 + sum(found.count(h) for h in heads) + len(grads)

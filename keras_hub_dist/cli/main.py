@@ -20,11 +20,11 @@ causal LM (`fit`, `generate`, opt-in), each case in a fresh process; see
 `keras_hub_dist.validate.schema` for the JSON report and the exit codes.
 
 `plan` prints a job's per-device memory from XLA's analysis of the
-program it runs, compiled on abstract values (`keras_hub_dist.validate.plan_cli`).
+program it runs, compiled on abstract values (`keras_hub_dist.cli.plan`).
 
 `convert` converts a checkpoint between the KerasHub and Hugging Face formats
 file to file, never holding the model's values
-(`keras_hub_dist.validate.convert`); exit status 0, or 2 with the error.
+(`keras_hub_dist.convert.file_to_file`); exit status 0, or 2 with the error.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from keras_hub_dist.validate.plan_cli import add_plan_flags, run_plan
+from keras_hub_dist.cli.plan import add_plan_flags, run_plan
 from keras_hub_dist.validate.options import CHECKPOINT_FORMATS, QUANTIZE_MODES, ValidateOptions
 from keras_hub_dist.validate.plot import plot_report, require_matplotlib
 from keras_hub_dist.validate.report import format_report, over_budget_lines, write_json
@@ -241,7 +241,7 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     """The `convert` command; returns the exit code."""
     from keras_hub_dist.errors import PresetError, SaveError
-    from keras_hub_dist.validate.convert import convert_checkpoint
+    from keras_hub_dist.convert.file_to_file import convert_checkpoint
 
     shard: float | str | None = args.max_shard_size
     if shard is not None:

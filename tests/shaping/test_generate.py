@@ -16,6 +16,7 @@ from conftest import MESH_SHAPES
 import keras_hub_dist
 from keras_hub_dist import GenerateFallbackWarning, load_sharded_preset, lower_generate, shard_generate
 from keras_hub_dist.plan.mesh import device_mesh
+from keras_hub_dist.shaping.apply import shape_model
 
 VOCAB = 128
 SMALL = dict(
@@ -148,7 +149,7 @@ def test_chunked_generate_equals_stock(family, mesh_shape, stock_reference):
     # where the data axis is over 1, the heads over the axis that splits the
     # key kernel's heads (Gemma's model axis, Llama's data axis) and over
     # the other where the mesh divides them, else the batch over the other
-    # (`plan/stationary_weights.py`); else the batch on "batch".
+    # (`shaping/stationary_weights.py`); else the batch on "batch".
     spec = tuple(cache.sharding.spec) + (None,) * 6
     shard = cache.addressable_shards[0].data.shape
     kv_heads = config["num_key_value_heads"]
@@ -218,9 +219,10 @@ def test_memory_of_the_abstract_programs():
     batch, length, layers = 8, 256, 2
     figures = {}
     for mesh_shape, chunk in (((1, 8), None), ((1, 8), 16), ((2, 4), 16)):
-        model = keras_hub_dist.abstract_backbone(
+        # Shaped as the loader and the factories shape what they build.
+        model = shape_model(keras_hub_dist.abstract_backbone(
             dict(SMALL, num_layers=layers), backbone_class=keras_hub.models.LlamaBackbone
-        ).model
+        ).model)
         layout_map = keras_hub_dist.get_layout_map(model, device_mesh(mesh_shape))
         keras.distribution.set_distribution(
             keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
@@ -244,8 +246,8 @@ def test_memory_of_the_abstract_programs():
     # width, 2 layers, 8 x 1024, (2, 4) costs 1,260 MiB against (1, 8)'s
     # 1,292). Llama's layout map puts the query heads on the batch axis
     # too, and XLA computes the attention with them there (as many KV as
-    # query heads here; with grouped KV heads `plan.batch_axis` keeps
-    # q / k / v on (batch, heads): tests/plan/test_batch_axis.py).
+    # query heads here; with grouped KV heads `shaping.batch_axis` keeps
+    # q / k / v on (batch, heads): tests/shaping/test_batch_axis.py).
     assert ours[0] == ours_2x4[0] == batch * layers * 2 * length * 8 * 8 * 4 // 8, figures
     assert ours_2x4[1] <= 1.08 * ours[1], figures
 
@@ -283,15 +285,15 @@ class _OwnCacheCall(keras_hub.models.LlamaCausalLM):
 def test_an_unread_causal_lm_keeps_stocks_prompt_pass_with_a_warning():
     # Left stock (documented), its batch still constrained, its program
     # still lowering (abstract: no compile, no value).
-    model = keras_hub_dist.abstract_backbone(
+    model = shape_model(keras_hub_dist.abstract_backbone(
         dict(SMALL, num_layers=1), backbone_class=keras_hub.models.LlamaBackbone
-    ).model
+    ).model)
     layout_map = keras_hub_dist.get_layout_map(model, device_mesh((2, 4)))
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     )
     lm = _OwnCacheCall(backbone=model, preprocessor=None)
-    assert not keras_hub_dist.load.generate.supports_chunked_prompt(lm)
+    assert not keras_hub_dist.shaping.generate.supports_chunked_prompt(lm)
     with pytest.warns(GenerateFallbackWarning, match="_OwnCacheCall keeps stock KerasHub's prompt pass"):
         shard_generate(lm, prompt_chunk=CHUNK)
     text = lower_generate(lm, BATCH, 2 * CHUNK).as_text()

@@ -23,7 +23,7 @@ instance, leaving the task's class, config and `generate` API as they are:
    KV heads, the batch is whole instead and the cache's KV heads are split
    over the axes that divide them (its batch over the others): each block
    then computes with its weights where they are stored
-   (`plan/stationary_weights.py`; Llama-3-8B width, 32 layers, 8 x 1024 on
+   (`shaping/stationary_weights.py`; Llama-3-8B width, 32 layers, 8 x 1024 on
    (2, 4): 7,253 -> 6,137 MiB per device, (1, 8): 6,384).
 
 `load_sharded_preset(..., task="causal_lm")` applies it by default
@@ -71,8 +71,8 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import GenerateFallbackWarning
-from keras_hub_dist.plan import stationary_weights
-from keras_hub_dist.plan.batch_axis import constrain_where_divisible
+from keras_hub_dist.shaping import stationary_weights
+from keras_hub_dist.shaping.batch_axis import constrain_where_divisible
 
 __all__ = [
     "DEFAULT_PROMPT_CHUNK",
@@ -103,10 +103,10 @@ DEFAULT_PROMPT_CHUNK = 512
 # `call_with_cache(token_ids, cache, 0)`, and whose attention masks a query
 # block starting at `cache_update_index` against the whole cache (causal and
 # sliding-window masks offset by the index): read in KerasHub 0.32's source
-# and checked against stock, chunk by chunk (tests/load/test_generate.py,
+# and checked against stock, chunk by chunk (tests/shaping/test_generate.py,
 # Gemma and Llama; the others by benchmarks/bench_generate.py --check).
 # Gemma2 is `GemmaCausalLM`, Llama 3 a `LlamaCausalLM`. Their cache's
-# heads are laid out with the weights (`plan/stationary_weights.py`).
+# heads are laid out with the weights (`shaping/stationary_weights.py`).
 STACKED_CACHE_LMS = (
     "GemmaCausalLM",
     "LlamaCausalLM",
@@ -391,7 +391,7 @@ def _constrain(x: Any, settings: _Settings, dims: dict[int, str | None]) -> Any:
 def _stationary_axes(lm: Any, settings: _Settings, batch_size: int) -> stationary_weights.Split | None:
     """How `lm`'s blocks split their attention (`batch_size` rows) while
     computing with their weights where they are stored
-    (`plan/stationary_weights.py`), or None."""
+    (`shaping/stationary_weights.py`), or None."""
     found = _mesh_axes(settings)
     if found is None or not has_stacked_cache(lm):
         return None
@@ -415,7 +415,7 @@ def _constrain_cache(lm: Any, settings: _Settings, cache: Any) -> Any:
         split = _stationary_axes(lm, settings, cache.shape[0])
         if split is not None and isinstance(cache, jax.core.Tracer):
             # Each block computes with its weights where they are stored
-            # (`plan/stationary_weights.py`): every batch row, its share of
+            # (`shaping/stationary_weights.py`): every batch row, its share of
             # the KV heads.
             return stationary_weights.heads_over_the_mesh(cache, _mesh_axes(settings)[0], split, heads_dim=4)
         dims[4] = settings.model_axis
@@ -430,7 +430,7 @@ def _constrain_cache(lm: Any, settings: _Settings, cache: Any) -> Any:
 def _call_with_cache(lm: Any, settings: _Settings, token_ids: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     token_ids = _constrain_batch(lm, settings, token_ids)
     cache = _constrain_cache(lm, settings, cache)
-    # The blocks' wrappers (`plan/batch_axis.py`) read it while they trace.
+    # The blocks' wrappers (`shaping/batch_axis.py`) read it while they trace.
     token = stationary_weights.HEADS_AXES.set(_stationary_axes(lm, settings, token_ids.shape[0]))
     try:
         logits, hidden_states, cache = type(lm).call_with_cache(lm, token_ids, cache, *args, **kwargs)

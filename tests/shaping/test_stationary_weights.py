@@ -1,10 +1,10 @@
 """`generate` computing with each block's weights where they are stored,
 the batch whole and the heads over every mesh axis, where the mesh divides
-the KV heads (`plan.stationary_weights`).
+the KV heads (`shaping.stationary_weights`).
 
 Compile only (XLA's analysis of KerasHub's generate on abstract models, no
 weight allocated); the tokens and logits of the real `generate` on every
-mesh are tests/load/test_generate.py's (Gemma and Llama, 8 KV heads).
+mesh are tests/shaping/test_generate.py's (Gemma and Llama, 8 KV heads).
 """
 
 import re
@@ -15,7 +15,8 @@ import pytest
 
 from keras_hub_dist.jobs import programs
 from keras_hub_dist.jobs.abstract_job import abstract_job
-from keras_hub_dist.plan import specs, stationary_weights
+from keras_hub_dist.plan import specs
+from keras_hub_dist.shaping import stationary_weights
 
 # 8 KV heads: a mesh of 8 divides them.
 LLAMA = dict(

@@ -2,10 +2,10 @@
 whole and the attention heads over the mesh axes that divide them.
 
 On a mesh whose data axis is over 1, the package's maps store each large
-weight split over both axes (FSDP's storage), and `plan/batch_axis.py`
+weight split over both axes (FSDP's storage), and `shaping/batch_axis.py`
 keeps the batch split over the data axis: to compute a block, XLA gathers
 its weights over that axis, every prompt chunk and every decode step (and
-left to itself kept the gathered copies: `plan/block_gathers.py`). Where
+left to itself kept the gathered copies: `shaping/block_gathers.py`). Where
 the whole mesh divides the KV heads (Llama 3, Mistral, Qwen 3, Mixtral,
 gpt-oss, Gemma 1 / 2 but their 2B: 8 or 16 KV heads on 8 devices),
 `generate` computes as a (1, 8) mesh does instead, and no weight moves: the
@@ -54,12 +54,12 @@ storing the FFN dimension over both axes instead brought that to (1, 8)'s
 but made fits worse (Mistral-7B, 2 layers, Adam 8 x 512: 1,504 -> 1,753
 MiB, (1, 8): 1,712; a Gemma fit at a small width 0.70x -> 1.04x stock's).
 
-`load/generate.py` decides (`heads_axes`, a `Split`) and lays the cache
+`shaping/generate.py` decides (`heads_axes`, a `Split`) and lays the cache
 and the token ids out, for the causal LMs whose cache it knows (one
 stacked `[batch, layers, 2, length, kv_heads, head_dim]` cache), and sets
 `HEADS_AXES` while `call_with_cache` traces; the blocks' wrappers in
-`plan/batch_axis.py` read it. Elsewhere (one KV head, Gemma 2B; another
-cache) `plan/batch_axis.py`'s layout stands.
+`shaping/batch_axis.py` read it. Elsewhere (one KV head, Gemma 2B; another
+cache) `shaping/batch_axis.py`'s layout stands.
 
 Example:
 
@@ -98,9 +98,9 @@ __all__ = [
 ]
 
 # How the decoder blocks now tracing split their attention (a `Split`: their
-# weights where they are), or None: set by `load/generate.py` while
+# weights where they are), or None: set by `shaping/generate.py` while
 # `call_with_cache` traces, read by the blocks' wrappers
-# (`plan/batch_axis.py`).
+# (`shaping/batch_axis.py`).
 HEADS_AXES: contextvars.ContextVar = contextvars.ContextVar("keras_hub_dist_heads_axes", default=None)
 
 
@@ -147,7 +147,7 @@ def backbone_split(backbone: Any, mesh: Any, data: str | None, batch_size: int) 
     """`heads_axes` for `backbone`'s KV heads and `batch_size` rows, its key
     kernel's heads axis (`kv_heads_axis`, under the active distribution)
     first; None for a backbone without a KV-head count. What `generate`
-    computes with (`load/generate.py`) and what the plan's KV-cache figure
+    computes with (`shaping/generate.py`) and what the plan's KV-cache figure
     counts (`jobs/programs.py`)."""
     heads = getattr(backbone, "num_key_value_heads", None)
     if not isinstance(heads, int):

@@ -17,11 +17,11 @@ import pytest
 
 from keras_hub_dist import SaveError, load_sharded_preset, save_sharded_preset, write_synthetic_preset
 from keras_hub_dist.formats import checksums
-from keras_hub_dist.validate import convert
-from keras_hub_dist.validate.convert import convert_checkpoint
+from keras_hub_dist.convert import file_to_file as convert
+from keras_hub_dist.convert.file_to_file import convert_checkpoint
 from keras_hub_dist.save.piece_write import CHUNK_BYTES
 from keras_hub_dist.measure import host_rss
-from keras_hub_dist.validate import cli
+from keras_hub_dist.cli import main as cli
 from tests.formats.hf import dense, moe
 from tests.formats.hf.writer import write_hf_checkpoint
 
@@ -169,7 +169,7 @@ def test_killed_midway_leaves_the_target_untouched(sources, tmp_path):
     (target / "old").write_text("previous")
     script = (
         "import sys, time; sys.path.insert(0, {root!r})\n"
-        "from keras_hub_dist.validate import convert\n"
+        "from keras_hub_dist.convert import file_to_file as convert\n"
         "write = convert.PieceWriter.write\n"
         "def slow(self, *a):\n"
         "    time.sleep(0.05); return write(self, *a)\n"

@@ -27,8 +27,8 @@ the target untouched, and the next save or conversion to that target removes
 what a killed one left. Sources are what `load_sharded_preset` reads
 (`load.source`, `storage.locations`): a directory, a KerasHub handle, or a
 remote location read by byte ranges. It reads like the loader and writes
-like the saver, so it sits in the room above both, beside the command line
-that runs it (`keras-hub-dist convert`, `validate.cli`).
+like the saver, so it sits in its own room above both; the command line
+that runs it is `keras-hub-dist convert` (`cli.main`).
 
 Example:
 
@@ -66,13 +66,13 @@ from keras_hub_dist.storage.uploads import WRITE_SCHEMES, is_writable_url, open_
 from keras_hub_dist.formats.safetensors_files import INDEX_FILE
 from keras_hub_dist.formats.safetensors_writer import plan_files
 from keras_hub_dist.load.source import read_config, read_metadata, resolve_source
-from keras_hub_dist.load.tasks import task_class
+from keras_hub_dist.shaping.tasks import task_class
 from keras_hub_dist.plan.abstract import build_without_values
 from keras_hub_dist.save import hf_export, remote_save, saver, staging
 from keras_hub_dist.save.hf_files import write_hf_files
 from keras_hub_dist.save.hf_mapping import hf_mapping
 from keras_hub_dist.save.piece_write import PieceWriter
-from keras_hub_dist.validate import convert_remote
+from keras_hub_dist.convert import into_bucket
 
 __all__ = ["TILE_BYTES", "ConvertStats", "convert_checkpoint", "tiles"]
 
@@ -276,7 +276,7 @@ def convert_checkpoint(
             `"https://..."`), as `load_sharded_preset` takes.
         target: The directory to create, or a bucket's prefix
             (`"s3://bucket/prefix"`, `"gs://bucket/prefix"`: uploaded in
-            parts as converted, with no local copy; `validate.convert_remote`).
+            parts as converted, with no local copy; `convert.into_bucket`).
         to: `"keras"` or `"huggingface"`.
         dtype: Dtype of the floating-point weights (cast tile by tile);
             default: the source's own (unlike `from_preset`, which uses
@@ -384,7 +384,7 @@ def _to_huggingface(
         return jobs
 
     if writer is not None:
-        with convert_remote.RemoteTarget(writer, overwrite) as target:
+        with into_bucket.RemoteTarget(writer, overwrite) as target:
             write_hf_files(target.folder, backbone, task, mapping.config)
             names = [f.name for f in layout.files]
             headers = {f.name: f.header for f in layout.files}
@@ -420,8 +420,8 @@ def _upload_all(
     total: int, progress: bool | None, stats: ConvertStats, num_threads: int,
 ) -> np.ndarray:
     """Converts every job into `target`'s uploads, tiles in the target
-    files' byte order (`validate.convert_remote`); returns the digests."""
-    items = convert_remote.ordered_items(jobs, _items(jobs), order)
+    files' byte order (`convert.into_bucket`); returns the digests."""
+    items = into_bucket.ordered_items(jobs, _items(jobs), order)
     bar = byte_progress(total, f"Converting to {target.writer.location}", progress)
     try:
         return target.upload(files, prefill, items, lambda it, sink: _run(it, num_threads, stats, bar, None, sink),
@@ -476,7 +476,7 @@ def _to_keras(
         raise SaveError("Expected a task without task weights (a causal LM). Received one with task weights.")
     stats = ConvertStats()
     if writer is not None:
-        with convert_remote.RemoteTarget(writer, overwrite) as target:
+        with into_bucket.RemoteTarget(writer, overwrite) as target:
             saver.write_preset_files(target.folder, backbone, task, [weight_set], names)
             files = saver.weights_files_of(target.folder, [weight_set])
             jobs, total = _keras_jobs(backbone, sources, datasets, weight_set, files)

@@ -1,14 +1,14 @@
 """Each decoder block's weights gathered when the block runs, FSDP-style.
 
 The package's maps store every large weight split over the mesh's data
-axis too (FSDP's storage), and `plan/batch_axis.py` keeps the batch split
+axis too (FSDP's storage), and `shaping/batch_axis.py` keeps the batch split
 over that axis, so XLA gathers a block's weights over it to compute the
 block. Where that gather lands is XLA's choice, and left to it the
 gathered weights outlive the block:
 
 - `generate` runs every block in two loops, the prompt chunks and the
   decode steps, on the same weights (where the mesh divides the KV heads
-  it gathers none, `plan/stationary_weights.py`, and the barrier below
+  it gathers none, `shaping/stationary_weights.py`, and the barrier below
   keeps in the loops what XLA computes from them: XLA:CPU's f32 copies);
   XLA hoisted each gather, a loop
   constant, out of both loops, so every block's gathered weights lived for
