@@ -150,7 +150,7 @@ def _shard_names(data: bytes, entry: str) -> list[str]:
     try:
         weight_map = json.loads(data)["weight_map"]
         return sorted({n for v in weight_map.values() for n in (v if isinstance(v, list) else [v])})
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise PresetError(
             f"Cannot read the sharded weights config {entry!r}. "
             f"Expected JSON with a 'weight_map'. Received: {e!r}."
@@ -188,6 +188,19 @@ def weights_files(weights_path: str) -> tuple[str, ...]:
     return tuple(files)
 
 
+# Deflate compresses ~1032:1 at most; a chunk never written reads as the fill value.
+_MAX_CHUNK_RATIO = 2048
+
+
+def _bound(path: str, name: str, shape: tuple, dtype: Any, wanted: int, limit: int, stored: str) -> None:
+    if wanted > limit:  # a size bomb: refused before a byte of it is read
+        raise PresetError(
+            f"The weights file {path!r} is truncated or forged: dataset {name!r} declares shape {shape} "
+            f"of {dtype}. Expected its bytes stored in the file, as Keras writes. Received: "
+            f"{math.prod(shape) * dtype.itemsize} declared bytes, but {stored}. Download or save the preset again."
+        )
+
+
 def _dataset_info(path: str, name: str, ds: h5py.Dataset, file_size: int, opened: Any) -> DatasetInfo:
     if ds.external:
         raise PresetError(
@@ -216,8 +229,9 @@ def _dataset_info(path: str, name: str, ds: h5py.Dataset, file_size: int, opened
         )
     shape = tuple(int(d) for d in ds.shape)
     nbytes = math.prod(shape) * dtype.itemsize
-    offset = None
+    offset, end, stored = None, 0, 0
     if ds.chunks is None and ds.compression is None and nbytes:
+        _bound(path, name, shape, dtype, nbytes, file_size, f"the whole file is {file_size} bytes")
         offset = ds.id.get_offset()
         if offset is None:
             raise PresetError(
@@ -227,12 +241,15 @@ def _dataset_info(path: str, name: str, ds: h5py.Dataset, file_size: int, opened
             )
         end = offset + nbytes
     elif nbytes:
-        end = 0
-        for i in range(ds.id.get_num_chunks()):
+        count = ds.id.get_num_chunks()
+        for i in range(count):
             chunk = ds.id.get_chunk_info(i)
             end = max(end, chunk.byte_offset + chunk.size)
-    else:
-        end = 0
+            stored += chunk.size
+        needed = math.prod(-(-d // c) for d, c in zip(shape, ds.chunks))
+        _bound(path, name, shape, dtype, needed, count, f"only {count} of its {needed} chunks are stored")
+        _bound(path, name, shape, dtype, nbytes, stored * _MAX_CHUNK_RATIO,
+               f"its chunks store {stored} bytes (over {_MAX_CHUNK_RATIO}:1)")
     if end > file_size:
         raise PresetError(
             f"The weights file {path!r} is truncated: dataset {name!r} "
