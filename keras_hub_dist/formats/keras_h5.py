@@ -149,7 +149,10 @@ def _shard_names(data: bytes, entry: str) -> list[str]:
     """The `.h5` file names a sharded `model.weights.json` maps weights to."""
     try:
         weight_map = json.loads(data)["weight_map"]
-        return sorted({n for v in weight_map.values() for n in (v if isinstance(v, list) else [v])})
+        names = {n for v in weight_map.values() for n in (v if isinstance(v, list) else [v])}
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError(f"shard names {sorted(map(repr, names))}, not all strings")
+        return sorted(names)
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise PresetError(
             f"Cannot read the sharded weights config {entry!r}. "
@@ -188,8 +191,7 @@ def weights_files(weights_path: str) -> tuple[str, ...]:
     return tuple(files)
 
 
-# Deflate compresses ~1032:1 at most; a chunk never written reads as the fill value.
-_MAX_CHUNK_RATIO = 2048
+_MAX_CHUNK_RATIO = 2048  # deflate's best is ~1032:1; a chunk never written reads as fill
 
 
 def _bound(path: str, name: str, shape: tuple, dtype: Any, wanted: int, limit: int, stored: str) -> None:
@@ -241,15 +243,13 @@ def _dataset_info(path: str, name: str, ds: h5py.Dataset, file_size: int, opened
             )
         end = offset + nbytes
     elif nbytes:
-        count = ds.id.get_num_chunks()
-        for i in range(count):
+        for i in range(count := ds.id.get_num_chunks()):
             chunk = ds.id.get_chunk_info(i)
             end = max(end, chunk.byte_offset + chunk.size)
             stored += chunk.size
         needed = math.prod(-(-d // c) for d, c in zip(shape, ds.chunks))
         _bound(path, name, shape, dtype, needed, count, f"only {count} of its {needed} chunks are stored")
-        _bound(path, name, shape, dtype, nbytes, stored * _MAX_CHUNK_RATIO,
-               f"its chunks store {stored} bytes (over {_MAX_CHUNK_RATIO}:1)")
+        _bound(path, name, shape, dtype, nbytes, stored * _MAX_CHUNK_RATIO, f"its chunks store {stored} bytes (over {_MAX_CHUNK_RATIO}:1)")
     if end > file_size:
         raise PresetError(
             f"The weights file {path!r} is truncated: dataset {name!r} "
