@@ -16,7 +16,7 @@ Targets:
   sharded `model.weights.json`;
 - `hdf5_indexer`: `formats.keras_h5.read_datasets` on a small `.h5` written
   by h5py (datasets of any dtype and layout, groups, links, attributes),
-  then maybe truncated;
+  then maybe with a few bytes overwritten, maybe truncated;
 - `config`: `load.source.read_config` on mutated JSON.
 
 Shard and file names are drawn from plain file names: hostile names (`""`,
@@ -125,7 +125,8 @@ def _h5_plan(draw) -> dict:
                          draw(st.sampled_from([None, "bfloat16", "float32"]))))
     links = draw(st.lists(st.sampled_from(["soft", "external", "dangling"]), max_size=2))
     cut = draw(st.sampled_from([None, None, None, 0.3, 0.6, 0.95]))
-    return {"datasets": datasets, "links": links, "cut": cut}
+    flips = draw(st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), max_size=4))
+    return {"datasets": datasets, "links": links, "cut": cut, "flips": flips}
 
 
 def _write_h5(path: str, plan: dict) -> None:
@@ -144,9 +145,13 @@ def _write_h5(path: str, plan: dict) -> None:
         for i, link in enumerate(plan["links"]):
             h5[f"link{i}"] = {"soft": h5py.SoftLink("/g0"), "dangling": h5py.SoftLink("/nowhere"),
                               "external": h5py.ExternalLink("other.h5", "/x")}[link]
-    if plan["cut"] is not None:
-        with open(path, "r+b") as f:
-            f.truncate(int(os.path.getsize(path) * plan["cut"]))
+    with open(path, "r+b") as f:
+        size = os.path.getsize(path)
+        for where, byte in plan["flips"]:  # corrupt metadata (or data) bytes
+            f.seek(int(size * where))
+            f.write(bytes([byte]))
+        if plan["cut"] is not None:
+            f.truncate(int(size * plan["cut"]))
 
 
 class Targets:

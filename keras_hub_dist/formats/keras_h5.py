@@ -43,7 +43,7 @@ import ml_dtypes
 import numpy as np
 
 from keras_hub_dist import _compat
-from keras_hub_dist.errors import PresetError
+from keras_hub_dist.errors import PresetError, ProcessLostError
 from keras_hub_dist.storage import host_io
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
@@ -342,13 +342,13 @@ def read_datasets(files: Sequence[Any]) -> dict[str, DatasetInfo]:
         try:
             with _open_h5(file) as h5:
                 _index_file(path, h5, found, size, opened)
-        except OSError as e:
+        except (PresetError, ProcessLostError):
+            raise
+        except (OSError, RuntimeError, SystemError, KeyError, ValueError) as e:  # h5py on corrupt metadata
             reason = "truncated" if "truncated" in str(e) else "not a readable HDF5 file"
             raise PresetError(
-                f"The weights file {path!r} is {reason}. Expected the "
-                f"complete `.weights.h5` written by Keras. Received: a file of "
-                f"{size} bytes that h5py cannot open ({e}). "
-                "Download or save the preset again."
+                f"The weights file {path!r} is {reason}. Expected the complete `.weights.h5` written by Keras. "
+                f"Received: a file of {size} bytes that h5py cannot read ({type(e).__name__}: {e}). Download or save the preset again."
             ) from e
     return found
 
