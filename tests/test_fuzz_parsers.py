@@ -18,7 +18,7 @@ def targets(tmp_path_factory):
     return Targets(str(tmp_path_factory.mktemp("fuzz")))
 
 
-@pytest.mark.parametrize("name, cases", [("safetensors_index", 250), ("keras_weights_index", 250),
+@pytest.mark.parametrize("name, cases", [("safetensors_index", 200), ("keras_weights_index", 200),
                                          ("hdf5_indexer", 200)])
 def test_fuzz_a_parser_only_accepts_or_raises_a_preset_error(targets, name, cases):
     outcomes = collections.Counter()

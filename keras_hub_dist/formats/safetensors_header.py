@@ -216,11 +216,15 @@ def _metadata(label: str, value: Any) -> Mapping[str, str] | None:
     return value
 
 
+def _bytes(n: int) -> str:
+    return "1 byte" if n == 1 else f"{n} bytes"
+
+
 def _tile(label: str, tensors: Mapping[str, HeaderEntry], data_bytes: int) -> None:
     position, previous = 0, None
     for name, entry in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end, item[0])):
         if entry.begin > position:
-            raise _refuse(label, f"a gap of {entry.begin - position} bytes before tensor {name!r}",
+            raise _refuse(label, f"a gap of {_bytes(entry.begin - position)} before tensor {name!r}",
                           f"the tensors, sorted by offset, to tile the data from 0: tensor {name!r} "
                           f"to begin at {position}", f"data_offsets [{entry.begin}, {entry.end}]")
         if entry.begin < position:
@@ -229,7 +233,7 @@ def _tile(label: str, tensors: Mapping[str, HeaderEntry], data_bytes: int) -> No
                           f"data_offsets [{entry.begin}, {entry.end}]")
         position, previous = entry.end, name
     if position < data_bytes:
-        raise _refuse(label, f"{data_bytes - position} bytes after the last tensor",
+        raise _refuse(label, f"{_bytes(data_bytes - position)} after the last tensor",
                       f"the data to end with the last tensor, at data offset {position}",
                       f"a data region of {data_bytes} bytes")
     if position > data_bytes:

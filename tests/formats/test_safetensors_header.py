@@ -151,7 +151,7 @@ def _files(draw):
     return file_bytes(raw, data_len, None if length is None or length < 0 else length)
 
 
-@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(_files())
 def test_fuzz_the_header_check_agrees_with_the_crate(data):
     crate_accepts = _crate_accepts(data)

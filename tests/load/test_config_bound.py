@@ -86,7 +86,7 @@ def _folder(tmp_path_factory):
     return tmp_path_factory.mktemp("fuzzed_config")
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(_config_bytes())
 def test_fuzz_the_config_parser_returns_an_object_or_a_preset_error(_folder, data):
     folder = _folder
