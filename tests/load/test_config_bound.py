@@ -97,3 +97,14 @@ def test_fuzz_the_config_parser_returns_an_object_or_a_preset_error(_folder, dat
         assert repr(str(folder / "config.json")) in str(e)
         return
     assert isinstance(config, dict) and config == json.loads(data)
+
+
+@pytest.mark.parametrize("text, expected", [("[" * 100_000 + "]" * 100_000, "RecursionError"),
+                                            ("[]", "holds a JSON list")])
+def test_an_adapter_config_is_parsed_the_same_way(tmp_path, text, expected):
+    from keras_hub_dist.adapters import peft_lora
+
+    (tmp_path / "adapter_config.json").write_text(text)
+    with pytest.raises(PresetError, match=expected) as info:
+        peft_lora._read_config(LocalDirectory(str(tmp_path)), str(tmp_path))
+    assert repr(str(tmp_path / "adapter_config.json")) in str(info.value)
