@@ -30,7 +30,6 @@ lm = keras_hub_dist.load_sharded_preset("./gemma_7b_hf", task="causal_lm", lora_
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -45,7 +44,7 @@ from keras_hub_dist.formats.base import CheckpointIndex, Index, IndexedVariable,
 from keras_hub_dist.formats.huggingface import checksum_metadata
 from keras_hub_dist.formats.safetensors_files import read_header
 from keras_hub_dist.formats.transforms import Transpose, reshape
-from keras_hub_dist.plan import lora_layers
+from keras_hub_dist.plan import lora_layers, presets
 from keras_hub_dist.shaping.remat import apply_remat, remat_scope
 from keras_hub_dist.save.lora_map import LoraModule, lora_modules
 
@@ -201,17 +200,13 @@ class LoraMerged(TensorSource):
 
 
 def _read_config(location: Any, label: str) -> peft.AdapterConfig:
-    try:
-        raw = location.read_bytes(peft.ADAPTER_CONFIG)
+    try:  # bounded, and a JSON object, as config.json is
+        parsed = presets.read_json_object(location, peft.ADAPTER_CONFIG)
     except FileNotFoundError as e:
         raise PresetError(
             f"Expected a PEFT adapter directory holding {peft.ADAPTER_CONFIG!r} and "
             f"{peft.ADAPTER_WEIGHTS!r}. Received: {label!r} without {peft.ADAPTER_CONFIG} ({e})."
         ) from None
-    try:
-        parsed = json.loads(raw)
-    except ValueError as e:
-        raise PresetError(f"Expected JSON in {label}/{peft.ADAPTER_CONFIG}. Received: {e}.") from None
     return peft.read_config(parsed, label)
 
 

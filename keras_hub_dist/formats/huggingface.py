@@ -57,7 +57,7 @@ import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PresetError, UnconvertedWeightsWarning
-from keras_hub_dist.plan.presets import parse_json
+from keras_hub_dist.plan.presets import INDEX_FILE_LIMIT, parse_json
 from keras_hub_dist.formats import hf_config_compat, keras_h5, prequantized
 from keras_hub_dist.formats.base import (
     CheckpointIndex,
@@ -114,7 +114,7 @@ def checksum_metadata(location: Any, index_file: str = INDEX_FILE) -> dict[str, 
     it. `location`: a `storage.locations.Location`."""
     if not location.has(index_file):
         return {}
-    index = parse_json(location.read_bytes(index_file), location.path_of(index_file))
+    index = parse_json(location.read_bytes(index_file), location.path_of(index_file), INDEX_FILE_LIMIT)
     metadata = index.get("metadata") if isinstance(index, dict) else None
     return metadata if isinstance(metadata, dict) else {}
 

@@ -43,7 +43,7 @@ import ml_dtypes
 import numpy as np
 
 from keras_hub_dist import _compat
-from keras_hub_dist.errors import PresetError
+from keras_hub_dist.errors import PresetError, ProcessLostError
 from keras_hub_dist.storage import host_io
 from keras_hub_dist.storage.names import check_name, local_path
 from keras_hub_dist.formats.base import (
@@ -59,19 +59,9 @@ from keras_hub_dist.formats.base import (
 )
 
 __all__ = [
-    "DatasetInfo",
-    "ContiguousDatasetSource",
-    "H5DatasetSource",
-    "backbone_config",
-    "dataset_source",
-    "index_checkpoint",
-    "recognizes",
-    "build_index",
-    "expected_datasets",
-    "read_datasets",
-    "open_weights",
-    "walk_saved_values",
-    "weights_files",
+    "DatasetInfo", "ContiguousDatasetSource", "H5DatasetSource", "backbone_config", "dataset_source",
+    "index_checkpoint", "recognizes", "build_index", "expected_datasets", "read_datasets", "open_weights",
+    "walk_saved_values", "weights_files",
 ]
 
 
@@ -150,8 +140,11 @@ def _shard_names(data: bytes, entry: str) -> list[str]:
     """The `.h5` file names a sharded `model.weights.json` maps weights to."""
     try:
         weight_map = json.loads(data)["weight_map"]
-        return sorted({n for v in weight_map.values() for n in (v if isinstance(v, list) else [v])})
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        names = {n for v in weight_map.values() for n in (v if isinstance(v, list) else [v])}
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError(f"shard names {sorted(map(repr, names))}, not all strings")
+        return sorted(names)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise PresetError(
             f"Cannot read the sharded weights config {entry!r}. "
             f"Expected JSON with a 'weight_map'. Received: {e!r}."
@@ -189,6 +182,18 @@ def weights_files(weights_path: str) -> tuple[str, ...]:
     return tuple(files)
 
 
+_MAX_CHUNK_RATIO = 2048  # deflate's best is ~1032:1; a chunk never written reads as fill
+
+
+def _bound(path: str, name: str, shape: tuple, dtype: Any, wanted: int, limit: int, stored: str) -> None:
+    if wanted > limit:  # a size bomb: refused before a byte of it is read
+        raise PresetError(
+            f"The weights file {path!r} is truncated or forged: dataset {name!r} declares shape {shape} "
+            f"of {dtype}. Expected its bytes stored in the file, as Keras writes. Received: "
+            f"{math.prod(shape) * dtype.itemsize} declared bytes, but {stored}. Download or save the preset again."
+        )
+
+
 def _dataset_info(path: str, name: str, ds: h5py.Dataset, file_size: int, opened: Any) -> DatasetInfo:
     if ds.external:
         raise PresetError(
@@ -217,8 +222,9 @@ def _dataset_info(path: str, name: str, ds: h5py.Dataset, file_size: int, opened
         )
     shape = tuple(int(d) for d in ds.shape)
     nbytes = math.prod(shape) * dtype.itemsize
-    offset = None
+    offset, end, stored = None, 0, 0
     if ds.chunks is None and ds.compression is None and nbytes:
+        _bound(path, name, shape, dtype, nbytes, file_size, f"the whole file is {file_size} bytes")
         offset = ds.id.get_offset()
         if offset is None:
             raise PresetError(
@@ -228,12 +234,13 @@ def _dataset_info(path: str, name: str, ds: h5py.Dataset, file_size: int, opened
             )
         end = offset + nbytes
     elif nbytes:
-        end = 0
-        for i in range(ds.id.get_num_chunks()):
+        for i in range(count := ds.id.get_num_chunks()):
             chunk = ds.id.get_chunk_info(i)
             end = max(end, chunk.byte_offset + chunk.size)
-    else:
-        end = 0
+            stored += chunk.size
+        needed = math.prod(-(-d // c) for d, c in zip(shape, ds.chunks))
+        _bound(path, name, shape, dtype, needed, count, f"only {count} of its {needed} chunks are stored")
+        _bound(path, name, shape, dtype, nbytes, stored * _MAX_CHUNK_RATIO, f"its chunks store {stored} bytes (over {_MAX_CHUNK_RATIO}:1)")
     if end > file_size:
         raise PresetError(
             f"The weights file {path!r} is truncated: dataset {name!r} "
@@ -326,13 +333,13 @@ def read_datasets(files: Sequence[Any]) -> dict[str, DatasetInfo]:
         try:
             with _open_h5(file) as h5:
                 _index_file(path, h5, found, size, opened)
-        except OSError as e:
+        except (PresetError, ProcessLostError):
+            raise
+        except (OSError, RuntimeError, SystemError, KeyError, ValueError) as e:  # h5py on corrupt metadata
             reason = "truncated" if "truncated" in str(e) else "not a readable HDF5 file"
             raise PresetError(
-                f"The weights file {path!r} is {reason}. Expected the "
-                f"complete `.weights.h5` written by Keras. Received: a file of "
-                f"{size} bytes that h5py cannot open ({e}). "
-                "Download or save the preset again."
+                f"The weights file {path!r} is {reason}. Expected the complete `.weights.h5` written by Keras. "
+                f"Received: a file of {size} bytes that h5py cannot read ({type(e).__name__}: {e}). Download or save the preset again."
             ) from e
     return found
 

@@ -22,9 +22,6 @@ files.tensor("model.norm.weight").offset     # a StoredTensor
 
 from __future__ import annotations
 
-import json
-import math
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +31,11 @@ import numpy as np
 
 from keras_hub_dist.errors import PresetError
 from keras_hub_dist.storage import host_io
+from keras_hub_dist.formats import safetensors_header
 from keras_hub_dist.formats.base import StoredTensor
 from keras_hub_dist.storage.locations import LocalDirectory
 from keras_hub_dist.storage.names import check_name
-from keras_hub_dist.plan.presets import parse_json
+from keras_hub_dist.plan.presets import INDEX_FILE_LIMIT, parse_json
 
 __all__ = [
     "INDEX_FILE",
@@ -51,11 +49,11 @@ __all__ = [
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# The safetensors library refuses larger headers; so do we, before reading.
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
 # A header is read with one read of this many bytes (most headers fit).
 _FIRST_READ_BYTES = 64 * 1024
 
+# The dtypes the loader reads (`safetensors_header.DTYPE_BITS` lists every
+# dtype of the format; the sub-byte and the rarer ones have no reader here).
 _DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
     "U8": np.dtype(np.uint8),
@@ -87,13 +85,6 @@ class SafetensorsHeader:
         return self.tensors.keys()
 
 
-def _corrupt(path: str, size: int, what: str) -> PresetError:
-    return PresetError(
-        f"The safetensors file {path!r} is truncated or corrupt: {what}. "
-        f"Received: a file of {size} bytes. Download the checkpoint again."
-    )
-
-
 def read_header(file: Any) -> SafetensorsHeader:
     """Parses and validates the header of one safetensors file.
 
@@ -103,10 +94,10 @@ def read_header(file: Any) -> SafetensorsHeader:
             read of its first 64 KiB and, for a longer header, one more.
 
     Raises:
-        PresetError: The file is shorter than its header says, the header is
-            not valid JSON, a tensor has an unknown dtype, its byte range
-            does not match its shape, or its bytes lie past the end of the
-            file. The message names the file and the tensor.
+        PresetError: The header breaks a rule of
+            `safetensors_header.validate_header` (the safetensors crate's,
+            and a few stricter), or a tensor has a dtype the loader cannot
+            read. The message names the file and the tensor.
     """
     if isinstance(file, str):
         file = host_io.LocalFile(file)
@@ -119,52 +110,22 @@ def _parse_header(file: Any) -> SafetensorsHeader:
     # request usually gets both (a round trip saved per file).
     first_bytes = 8 if isinstance(file, host_io.LocalFile) else _FIRST_READ_BYTES
     first = file.read(0, min(size, first_bytes))
-    if len(first) < 8:
-        raise _corrupt(path, size, "expected an 8-byte header length")
-    (header_bytes,) = struct.unpack("<Q", first[:8])
-    if header_bytes > min(size - 8, _MAX_HEADER_BYTES):
-        raise _corrupt(
-            path, size, f"the header claims {header_bytes} bytes, expected at most "
-            f"{min(size - 8, _MAX_HEADER_BYTES)}"
-        )
-    raw = first[8 : 8 + header_bytes]
-    if len(raw) < header_bytes:
-        raw += file.read(len(first), 8 + header_bytes - len(first))
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError(f"a JSON {type(header).__name__}, not an object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _corrupt(path, size, f"the header is not a JSON object ({e})") from e
-    data_start = 8 + header_bytes
+    header_bytes = safetensors_header.header_length(first, size, path)
+    if len(first) < 8 + header_bytes:
+        first += file.read(len(first), 8 + header_bytes - len(first))
+    header = safetensors_header.validate_header(first, size, path)
     tensors: dict[str, StoredTensor] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            shape = tuple(int(d) for d in shape)
-            begin, end = int(begin), int(end)
-        except (KeyError, TypeError, ValueError) as e:
-            raise _corrupt(path, size, f"tensor {name!r} has a malformed header entry {entry!r}") from e
-        if dtype_name not in _DTYPES:
+    for name, entry in header.tensors.items():
+        if entry.dtype not in _DTYPES:
             raise PresetError(
-                f"Tensor {name!r} in {path!r} has dtype {dtype_name!r}. Expected one of "
-                f"{sorted(_DTYPES)}. Received: {dtype_name!r}, which the loader cannot read."
+                f"Tensor {name!r} in {path!r} has dtype {entry.dtype!r}, a safetensors "
+                f"dtype the loader cannot read. Expected one of {sorted(_DTYPES)}. "
+                f"Received: {entry.dtype!r}. Convert the tensor to one of those dtypes "
+                "and save the checkpoint again."
             )
-        dtype = _DTYPES[dtype_name]
-        nbytes = math.prod(shape) * dtype.itemsize
-        if any(d < 0 for d in shape) or begin < 0 or end - begin != nbytes:
-            raise _corrupt(
-                path, size, f"tensor {name!r} ({dtype_name}, shape {list(shape)}) needs "
-                f"{nbytes} bytes but its data_offsets are [{begin}, {end}]"
-            )
-        if data_start + end > size:
-            raise _corrupt(
-                path, size, f"tensor {name!r} ends at byte {data_start + end}, expected "
-                "a file at least that long"
-            )
-        tensors[name] = StoredTensor(path, data_start + begin, shape, dtype, opened=file)
+        tensors[name] = StoredTensor(
+            path, header.data_start + entry.begin, entry.shape, _DTYPES[entry.dtype], opened=file
+        )
     return SafetensorsHeader(path, tensors, file)
 
 
@@ -212,7 +173,7 @@ def checkpoint_files(location: Any, label: str | None = None) -> SafetensorsChec
     label = label or location.label
     if location.has(INDEX_FILE):
         index_path = location.path_of(INDEX_FILE)
-        index = parse_json(location.read_bytes(INDEX_FILE), index_path)
+        index = parse_json(location.read_bytes(INDEX_FILE), index_path, INDEX_FILE_LIMIT)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
             isinstance(v, str) for v in weight_map.values()

@@ -110,29 +110,22 @@ def read_config(location: Location) -> dict[str, Any]:
     """The preset's `config.json`.
 
     Raises:
-        PresetError: There is none, or it is not valid JSON (naming the file
-            and the line).
+        PresetError: There is none, or it is over
+            `presets.JSON_FILE_LIMIT` bytes, not valid JSON (naming the file
+            and the line) or not a JSON object.
     """
     try:
-        data = location.read_bytes(presets.CONFIG_FILE)
+        return presets.read_json_object(location, presets.CONFIG_FILE)
     except FileNotFoundError as e:
         raise PresetError(
             f"The preset {location.label!r} has no {presets.CONFIG_FILE}. Expected a "
             "KerasHub preset (written by `save_to_preset`) or a Hugging Face "
             f"checkpoint directory. Received: {e}"
         ) from e
-    config = presets.parse_json(data, location.path_of(presets.CONFIG_FILE))
-    if not isinstance(config, dict):
-        raise PresetError(
-            f"{location.path_of(presets.CONFIG_FILE)!r} holds a JSON "
-            f"{type(config).__name__}. Expected a JSON object (a KerasHub or "
-            "Transformers model config)."
-        )
-    return config
 
 
 def read_metadata(location: Location) -> dict[str, Any]:
     """The preset's `metadata.json`, or `{}` without one."""
     if not location.has(_METADATA_FILE):
         return {}
-    return presets.parse_json(location.read_bytes(_METADATA_FILE), location.path_of(_METADATA_FILE))
+    return presets.read_json_object(location, _METADATA_FILE)

@@ -85,13 +85,23 @@ __all__ = [
     "entries",
     "is_preset_dir",
     "names",
+    "INDEX_FILE_LIMIT",
+    "JSON_FILE_LIMIT",
     "parse_json",
     "read_json",
+    "read_json_object",
     "resolve",
 ]
 
 _DATA_PACKAGE = "keras_hub_dist._preset_data"
 CONFIG_FILE = "config.json"
+# A config, metadata or index file is read whole and parsed: larger ones are
+# refused unread (the largest real ones are a few MB: a tokenizer.json is not
+# read here).
+JSON_FILE_LIMIT = 16 * 1024 * 1024
+# An index (`model.safetensors.index.json`) of a model of a trillion
+# parameters is ~10 MB; its bound is the safetensors header's.
+INDEX_FILE_LIMIT = 100_000_000
 _REQUIRED_FIELDS = (
     "name", "family", "backbone_class", "kerashub_preset", "handle", "params",
     "aliases", "config",
@@ -302,24 +312,63 @@ def is_preset_dir(path: Any) -> bool:
     )
 
 
-def read_json(path: str | os.PathLike) -> Any:
+def _too_large(name: str, size: int, limit: int) -> PresetError:
+    return PresetError(
+        f"{name!r} is too large to be a config file. Expected a JSON file of at "
+        f"most {limit} bytes. Received: {size} bytes. Check that the file is the "
+        "checkpoint's own (re-download it)."
+    )
+
+
+def read_json(path: str | os.PathLike, limit: int = JSON_FILE_LIMIT) -> Any:
     """Reads a JSON file, naming the file, line and column of a syntax error.
 
     Raises:
-        PresetError: The file is not valid JSON (or not UTF-8 text).
+        PresetError: The file is over `limit` bytes (checked before it is
+            read), not valid JSON, or not UTF-8 text.
     """
     path = os.fspath(path)
     with open(path, "rb") as handle:
-        return parse_json(handle.read(), path)
+        size = os.fstat(handle.fileno()).st_size
+        if size > limit:
+            raise _too_large(path, size, limit)
+        return parse_json(handle.read(limit + 1), path, limit)
 
 
-def parse_json(data: bytes, name: str) -> Any:
+def read_json_object(location: Any, name: str, limit: int = JSON_FILE_LIMIT) -> dict[str, Any]:
+    """File `name` of a `storage.locations.Location`, as a JSON object, its
+    size checked before a byte of it is read.
+
+    Raises:
+        FileNotFoundError: There is no such file.
+        PresetError: It is over `limit` bytes, not UTF-8 JSON, or not an
+            object.
+    """
+    path = location.path_of(name)
+    opened = location.open(name)
+    size = opened.size
+    getattr(opened, "close", lambda: None)()
+    if size > limit:
+        raise _too_large(path, size, limit)
+    parsed = parse_json(location.read_bytes(name), path, limit)
+    if not isinstance(parsed, dict):
+        raise PresetError(
+            f"{path!r} holds a JSON {type(parsed).__name__}. Expected a JSON object. "
+            "Fix or re-download the file."
+        )
+    return parsed
+
+
+def parse_json(data: bytes, name: str, limit: int = JSON_FILE_LIMIT) -> Any:
     """Parses the bytes of JSON file `name` (a path or a URL), naming the
     file, line and column of a syntax error.
 
     Raises:
-        PresetError: The bytes are not valid JSON (or not UTF-8 text).
+        PresetError: Over `limit` bytes, not valid JSON (or nested past
+            Python's recursion limit), or not UTF-8 text.
     """
+    if len(data) > limit:
+        raise _too_large(name, len(data), limit)
     try:
         return json.loads(data.decode("utf-8"))
     except json.JSONDecodeError as e:
@@ -333,6 +382,11 @@ def parse_json(data: bytes, name: str) -> Any:
             f"{name!r} is not UTF-8 text. Expected a JSON file. Received: "
             f"{e}. Fix or re-download the file."
         ) from e
+    except (RecursionError, ValueError) as e:  # deep nesting; a 5000-digit int
+        raise PresetError(
+            f"{name!r} cannot be parsed. Expected a JSON object of plain values. "
+            f"Received: {type(e).__name__}: {str(e)[:200]}. Fix or re-download the file."
+        ) from None
 
 
 def _backbone_class_from_config(config_json: Mapping[str, Any]) -> type:

@@ -48,7 +48,7 @@ __all__ = ["check_asset_paths", "check_name", "create_staged", "local_path", "re
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _RULES = (
     "a relative name of '/'-separated segments: no leading '/', no empty "
-    "segment, no '..' segment, no drive letter, backslash or NUL"
+    "segment, no '.' or '..' segment, no drive letter, backslash or NUL"
 )
 
 
@@ -72,6 +72,10 @@ def rule_broken(name: object) -> str | None:
         return "has an empty segment ('//' or a trailing '/')"
     if ".." in segments:
         return "has a '..' segment"
+    # '.' names the folder itself ('.' alone opened the checkpoint's directory:
+    # a raw IsADirectoryError), and a remote store keeps it as it is.
+    if "." in segments:
+        return "has a '.' segment"
     return None
 
 

@@ -11,6 +11,7 @@ from keras_hub_dist.storage import names
 BAD = {
     "": "is empty", "/etc/passwd": "is an absolute path", "a//b": "empty segment",
     "a/": "empty segment", "../x": "'..' segment", "a/../../x": "'..' segment",
+    ".": "'.' segment", "a/./b": "'.' segment", "./a": "'.' segment",
     "a\\b": "backslash", "C:x": "drive letter", "c:/x": "drive letter", "a\x00b": "NUL",
 }
 
@@ -24,7 +25,7 @@ def test_each_rule_is_named_with_the_source_and_the_fix(name):
     assert repr(name) in message and "Fix the name" in message
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "assets/tokenizer/vocabulary.spm", "a/./b", "..x", "x.."])
+@pytest.mark.parametrize("name", ["model.safetensors", "assets/tokenizer/vocabulary.spm", ".hidden", "..x", "x.."])
 def test_valid_names_pass_unchanged(name):
     assert names.check_name(name, source="s") == name
 
