@@ -21,7 +21,7 @@ from keras_hub_dist import convert_checkpoint, load_sharded_preset, save_sharded
 from keras_hub_dist.formats import keras_h5, safetensors_files
 from tests.formats.hf import dense, moe
 from tests.formats.hf.writer import write_hf_checkpoint
-from tests.save.test_convert import _datasets
+from tests.convert.test_convert import _datasets
 
 SCHEMES = ("s3", "gs", "hf", "http")
 SMALL = dict(vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8,
