@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -10,14 +9,11 @@ from typing import Any
 import keras
 
 from keras_hub_dist.errors import PresetError
-from keras_hub_dist.storage.locations import Location
+from keras_hub_dist.storage.locations import Location, keras_hub_configs
 
 __all__ = ["build_task", "check_classes", "task_class"]
 
 TASK_WEIGHTS_FILE = "task.weights.h5"
-# What KerasHub builds from a preset beside the backbone, each a serialized
-# Keras object.
-_TASK_CONFIGS = ("task.json", "preprocessor.json", "tokenizer.json")
 # The only packages Keras's deserialization imports a class from by its
 # `module` (keras.src.saving.serialization_lib._retrieve_class_or_fn).
 _IMPORTED_PACKAGES = ("keras", "keras_hub", "keras_cv", "keras_nlp")
@@ -72,15 +68,7 @@ def check_classes(location: Location) -> None:
     so first, as a `PresetError`). No module is imported here; what is
     built is built by Keras inside its safe mode, which this package never
     turns off."""
-    for name in _TASK_CONFIGS:
-        if not location.has(name):
-            continue
-        try:
-            config = json.loads(location.read_bytes(name))
-        except ValueError:
-            continue  # KerasHub's own loader says what is wrong with it
-        if not (isinstance(config, dict) and "registered_name" in config):
-            continue  # a Hugging Face tokenizer.json: read by the converters
+    for name, config in keras_hub_configs(location):
         stack: list[Any] = [config]
         while stack:
             node = stack.pop()

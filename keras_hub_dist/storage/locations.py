@@ -37,6 +37,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -54,6 +55,7 @@ __all__ = [
     "RemoteLocation",
     "WEIGHT_SUFFIXES",
     "check_keras_hub_configs",
+    "keras_hub_configs",
     "is_remote",
     "is_url",
     "open_location",
@@ -77,20 +79,29 @@ _KNOWN_SMALL_FILES = (
 _KERAS_HUB_CONFIGS = ("task.json", "preprocessor.json", "tokenizer.json")
 
 
-def check_keras_hub_configs(location: Location) -> None:
-    """Refuses a KerasHub preset whose task, preprocessor or tokenizer config
-    names a file for a tokenizer to open (`storage.names.check_asset_paths`),
-    before KerasHub's loaders see it. A Hugging Face `tokenizer.json` (no
-    `registered_name`) is KerasHub's converters' to read, not checked here."""
+def keras_hub_configs(location: Location) -> Iterator[tuple[str, dict]]:
+    """Each KerasHub task, preprocessor or tokenizer config of `location`
+    (`(file name, parsed config)`) that KerasHub will deserialize: one with a
+    `registered_name`. Unparsable files are KerasHub's own loader's to
+    refuse; a Hugging Face `tokenizer.json` (no `registered_name`) is
+    KerasHub's converters' to read."""
     for name in _KERAS_HUB_CONFIGS:
         if not location.has(name):
             continue
         try:
             config = json.loads(location.read_bytes(name))
         except ValueError:
-            continue  # KerasHub's own loader says what is wrong with it
+            continue
         if isinstance(config, dict) and "registered_name" in config:
-            check_asset_paths(config, source=location.path_of(name))
+            yield name, config
+
+
+def check_keras_hub_configs(location: Location) -> None:
+    """Refuses a KerasHub preset whose task, preprocessor or tokenizer config
+    names a file for a tokenizer to open (`storage.names.check_asset_paths`),
+    before KerasHub's loaders see it."""
+    for name, config in keras_hub_configs(location):
+        check_asset_paths(config, source=location.path_of(name))
 
 
 def is_url(text: str) -> bool:
