@@ -73,6 +73,18 @@ class AbstractJob:
         finally:
             keras.distribution.set_distribution(previous)
 
+    @contextlib.contextmanager
+    def without_values(self) -> Iterator[None]:
+        """In the job's scope, the variables made in the block (an optimizer's
+        step count and learning rate, the metrics' totals, a sampler's seed,
+        made by `task.compile`) get no value and then the layout Keras would
+        give them: a compile-only device (a TPU / GPU target planned from a
+        CPU host) can hold no array."""
+        with self.scope():
+            with _compat.creating_variables_without_values() as created:
+                yield
+            self.lay_out(created)
+
     def lay_out(self, variables: Any) -> None:
         """Gives variables created without a value the layout Keras would."""
         with self.scope():
@@ -183,7 +195,11 @@ def abstract_job(
     job = AbstractJob(None, distribution, axis_sizes(keras_mesh), source)
     with job.scope():
         job.lay_out(backbone.weights)
-        job.task = task_cls(backbone=backbone, preprocessor=None)
+        # The task's constructor compiles it (KerasHub's default optimizer
+        # and sampler): their variables too are created without a value.
+        with _compat.creating_variables_without_values() as created:
+            job.task = task_cls(backbone=backbone, preprocessor=None)
+        job.lay_out(created)
         if lora_rank is not None:
             job.lay_out(enable_lora_without_values(job.task, rank=lora_rank))
     return job

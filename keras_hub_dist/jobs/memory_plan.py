@@ -411,7 +411,7 @@ def _plan_once(
         memory = programs.program_memory(lowered.compile())
     elif job == "generate":
         if settings.get("sampler"):
-            with built.scope():
+            with built.without_values():
                 task.compile(sampler=settings["sampler"])
         lowered, kv_cache = programs.lower_generate(
             built, settings["batch_size"], settings["sequence_length"],
