@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import keras
-import numpy as np
 
 __all__ = [
     "builtin_preset_names", "CAN_WATCH_COMPILATIONS", "CAN_WATCH_EXECUTIONS", "computation_name",
@@ -154,30 +153,6 @@ from keras.src.backend.common.stateless_scope import (  # noqa: E402
 _UNINITIALIZED_VARIABLES = "uninitialized_variables"
 
 
-from keras.src.backend.common.variables import Variable as _KerasVariable  # noqa: E402
-
-
-def _deferring_constants(original_init: Any) -> Any:
-    """`KerasVariable.__init__` that, in a stateless scope, takes a constant
-    initial value (an optimizer's step count and learning rate, made when it
-    is constructed) as an initializer returning it: Keras refuses a constant
-    there, and a value would be an array on the distribution's devices,
-    which a compile-only TPU / GPU target cannot hold."""
-
-    def init(self, initializer=None, shape=None, dtype=None, *args, **kwargs):
-        if in_stateless_scope() and initializer is not None and not callable(initializer) and not isinstance(initializer, str):
-            value = np.asarray(initializer)
-            dtype = dtype if dtype is not None else value.dtype.name
-            shape = value.shape if shape is None else shape
-
-            def initializer(shape, dtype=None, _value=value):
-                return keras.ops.cast(keras.ops.reshape(_value, shape), dtype)
-
-        original_init(self, initializer, shape, dtype, *args, **kwargs)
-
-    return init
-
-
 @contextlib.contextmanager
 def creating_variables_without_values() -> Iterator[list]:
     """Leaves every Keras variable created in the block without a value.
@@ -199,13 +174,10 @@ def creating_variables_without_values() -> Iterator[list]:
     previous = _keras_global_state.get_global_attribute(_UNINITIALIZED_VARIABLES)
     _keras_global_state.set_global_attribute(_UNINITIALIZED_VARIABLES, [])
     created: list = []
-    original_init = _KerasVariable.__init__
-    _KerasVariable.__init__ = _deferring_constants(original_init)
     try:
         with keras.StatelessScope(initialize_variables=False):
             yield created
     finally:
-        _KerasVariable.__init__ = original_init
         created.extend(
             _keras_global_state.get_global_attribute(_UNINITIALIZED_VARIABLES)
             or []
