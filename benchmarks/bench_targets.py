@@ -12,7 +12,10 @@ rows are extrapolated.
 python benchmarks/bench_targets.py --models gemma_7b_en --targets v5e-8 --jobs fit_lora generate --layers 1 2
 ```
 
-Prints one JSON line per plan (and writes them to --out).
+Prints one JSON line per plan (and writes them to --out). `--table FILE`
+prints the markdown table of such a file instead: each (model, target, job,
+variant) planned at two depths gives the per-layer cost and the full depth
+extrapolated from it (`FULL_LAYERS`), marked "extrapolated".
 """
 
 from __future__ import annotations
@@ -35,7 +38,74 @@ JOBS = {
 }
 
 
+FULL_LAYERS = {
+    "gemma_7b_en": 28, "llama3_8b_en": 32, "qwen3_8b_en": 36, "mistral_7b_en": 32,
+    "gemma2_9b_en": 42, "gpt_oss_20b_en": 24,
+}
+HBM_GIB = {"v5e": 16, "v6e": 32, "v4": 32, "v5p": 95, "h100": 84_929_347_584 / 2**30}
+
+
+def table(path: str) -> None:
+    rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+    groups: dict[tuple, dict] = {}
+    for row in rows:
+        if "error" in row:
+            print(f"<!-- {row['model']} {row['target']} {row['job']} {row['variant']}: {row['error']} -->")
+            continue
+        key = (row["model"], row["target"], row["job"], row["variant"])
+        groups.setdefault(key, {})[row["layers"]] = row
+    print("| model | target | job | variant | planned (layers: MiB, est. ms) | per layer: MiB, ms | full depth (layers) | MiB | verdict | est. step ms (overlapped / serial) |")
+    print("|---|---|---|---|---|---:|---|---:|---|---:|")
+    for (model, target, job, variant), by_depth in groups.items():
+        depths = sorted(d for d in by_depth if isinstance(d, int))
+        planned = "; ".join(
+            f"{d}: {by_depth[d]['total_mib']:,.0f}" + (f", {_ms(by_depth[d])}" if _ms(by_depth[d]) else "")
+            for d in depths
+        )
+        full = FULL_LAYERS.get(model)
+        hbm = HBM_GIB[target.split("-")[0]]
+        if "full" in by_depth:
+            r = by_depth["full"]
+            mib, over, serial, label, per = r["total_mib"], _s(r, "step_overlapped_s"), _s(r, "step_serial_s"), f"{full} (compiled)", ""
+        elif len(depths) >= 2 and full:
+            a, b = by_depth[depths[-2]], by_depth[depths[-1]]
+            n = depths[-1] - depths[-2]
+            d_mib = (b["total_mib"] - a["total_mib"]) / n
+            mib = b["total_mib"] + (full - depths[-1]) * d_mib
+            over = serial = None
+            per = f"{d_mib:,.0f}"
+            key = "decode_overlapped_s" if job == "generate" else "step_overlapped_s"
+            if b.get(key) is not None and a.get(key) is not None:
+                d_over = (b[key] - a[key]) / n
+                over = b[key] + (full - depths[-1]) * d_over
+                per += f", {d_over * 1e3:,.2f}"
+                if job != "generate":
+                    d_ser = (b["step_serial_s"] - a["step_serial_s"]) / n
+                    serial = b["step_serial_s"] + (full - depths[-1]) * d_ser
+            label = f"{full} (extrapolated)"
+        else:
+            continue
+        refused = any(by_depth[d].get("refusal") for d in by_depth)
+        verdict = "does NOT fit (refused)" if refused else ("fits" if mib <= hbm * 1024 else "does NOT fit")
+        times = "" if over is None else f"{over * 1e3:,.1f}" + ("" if serial is None else f" / {serial * 1e3:,.1f}")
+        if job == "generate" and times:
+            times = "decode " + times
+        print(f"| {model} | {target} | {job} | {variant} | {planned} | {per} | {label} | {mib:,.0f} | {verdict} | {times} |")
+
+
+def _ms(row: dict) -> str:
+    key = "decode_overlapped_s" if row["job"] == "generate" else "step_overlapped_s"
+    return "" if row.get(key) is None else f"{row[key] * 1e3:,.2f} ms"
+
+
+def _s(row: dict, key: str):
+    return row.get(key)
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--table":
+        table(sys.argv[2])
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["gemma_7b_en"])
     parser.add_argument("--targets", nargs="+", default=["v5e-8"])

@@ -455,7 +455,10 @@ def _plan_once(
     if job in ("fit", "generate"):
         memory, step_time, refusal = targets.compile_job(
             lowered, target, job, task.backbone, built.mesh_axis_sizes, settings["batch_size"],
-            settings["sequence_length"], weights_bytes, kv_cache,
+            settings["sequence_length"], weights_bytes,
+            # Stock's cache is laid out by XLA: its decode estimate assumes ours.
+            kv_cache if kv_cache is not None or job != "generate" else programs.kv_cache_bytes(
+                built, settings["batch_size"], settings["sequence_length"]),
         )
     else:
         weights = _per_device_bytes(task.weights, built)

@@ -18,8 +18,10 @@ where it is positive (it came out negative for some programs).
 6 x weight FLOPs + causal attention, per device; no sliding-window
 discount). `generate`: the program is the prompt pass and a decode loop of
 unknown length; one decode step is the weights and KV cache read once per
-token (the HBM floor) against 2 x parameters x rows FLOPs, and the prompt
-pass is the rest of the program.
+token (the HBM floor; for stock, whose cache XLA lays out, the cache split
+as this package splits it) against 2 x parameters x rows FLOPs, and the
+prompt pass is the rest of the program (its loops once each, where their
+trips are not known).
 
 Example:
 
