@@ -154,7 +154,7 @@ def main() -> None:
                                 step_comms_s=est and est.step.comms_s,
                                 decode_overlapped_s=est and est.decode and est.decode.overlapped_s,
                                 tokens_per_s_per_chip=est and est.tokens_per_s_per_chip,
-                                mfu=est and est.mfu, optimal_s=est and est.compiler_optimal_s,
+                                mfu=est and est.mfu, optimal_s=est and est.compiler_optimal_raw_s,
                                 flops=est and est.step.flops,
                             )
                         row["plan_s"] = round(time.perf_counter() - start, 1)

@@ -94,6 +94,7 @@ class StepTime:
         flops_source: Where the FLOPs and bytes came from.
         collectives: The compiled program's collectives.
         unknown_loops: Loops whose trips are not known (counted once).
+        compiler_optimal_raw_s: libtpu's `optimal_seconds` as it gave it.
     """
 
     label: str
@@ -106,6 +107,7 @@ class StepTime:
     flops_source: str
     collectives: tuple[Collective, ...]
     unknown_loops: int
+    compiler_optimal_raw_s: float | None = None
 
     def lines(self) -> list[str]:
         """The estimate as summary lines."""
@@ -177,8 +179,8 @@ def estimate(
     else:
         nbytes = float(memory.get("argument_bytes", 0) + memory.get("output_bytes", 0))
         source = "FLOPs: the compiled HLO's dots; bytes: arguments + outputs once (no cost_analysis: a lower bound)"
-    optimal = cost.get("optimal_seconds") if cost else None
-    optimal = optimal if optimal is not None and optimal > 0 else None
+    raw = cost.get("optimal_seconds") if cost else None
+    optimal = raw if raw is not None and raw > 0 else None
     if job == "fit":
         step = roofline(hlo.dot_flops, nbytes, hlo.wire_bytes, chip)
         model_flops = maxtext_training_flops(backbone, batch_size, sequence_length, devices)
@@ -187,7 +189,7 @@ def estimate(
         # frozen weights get no gradient, and an MFU by it would overstate.
         mfu = model_flops / (step.overlapped_s * chip.peak_bf16_flops) if step.overlapped_s and not lora else None
         tokens = batch_size * sequence_length / devices / step.overlapped_s if step.overlapped_s else None
-        return StepTime("fit: one train step", chip.name, step, None, tokens, mfu, optimal, source, hlo.collectives, hlo.unknown_loops)
+        return StepTime("fit: one train step", chip.name, step, None, tokens, mfu, optimal, source, hlo.collectives, hlo.unknown_loops, raw)
     figures = _backbone_figures(backbone)
     decode_flops = 2 * figures["params"] * batch_size / devices
     decode_bytes = weights_bytes + (kv_cache_bytes or 0)
@@ -195,4 +197,4 @@ def estimate(
     prompt = roofline(max(hlo.dot_flops - decode_flops, 0.0), max(nbytes - decode_bytes, 0.0), hlo.wire_bytes, chip)
     tokens = batch_size / devices / decode.overlapped_s if decode.overlapped_s else None
     label = "generate: prompt pass (program less one decode step); decode step: weights + KV cache read once"
-    return StepTime(label, chip.name, prompt, decode, tokens, None, optimal, source, hlo.collectives, hlo.unknown_loops)
+    return StepTime(label, chip.name, prompt, decode, tokens, None, optimal, source, hlo.collectives, hlo.unknown_loops, raw)
