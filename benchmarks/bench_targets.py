@@ -66,12 +66,14 @@ def table(path: str) -> None:
         hbm = HBM_GIB[target.split("-")[0]]
         if "full" in by_depth:
             r = by_depth["full"]
-            mib, over, serial, label, per = r["total_mib"], _s(r, "step_overlapped_s"), _s(r, "step_serial_s"), f"{full} (compiled)", ""
+            key = "decode_overlapped_s" if job == "generate" else "step_overlapped_s"
+            serial = None if job == "generate" else _s(r, "step_serial_s")
+            mib, over, label, per = r["total_mib"], _s(r, key), f"{full} (compiled)", "-"
         elif len(depths) >= 2 and full:
             a, b = by_depth[depths[-2]], by_depth[depths[-1]]
             n = depths[-1] - depths[-2]
             d_mib = (b["total_mib"] - a["total_mib"]) / n
-            mib = b["total_mib"] + (full - depths[-1]) * d_mib
+            mib = b["total_mib"] + (full - depths[-1]) * d_mib if d_mib >= 0 else None
             over = serial = None
             per = f"{d_mib:,.0f}"
             key = "decode_overlapped_s" if job == "generate" else "step_overlapped_s"
@@ -86,11 +88,15 @@ def table(path: str) -> None:
         else:
             continue
         refused = any(by_depth[d].get("refusal") for d in by_depth)
-        verdict = "does NOT fit (refused)" if refused else ("fits" if mib <= hbm * 1024 else "does NOT fit")
+        if mib is None:  # the compiler's cost fell with depth: no line to extrapolate
+            verdict, mib_text = ("does NOT fit (refused)" if refused else "n/a"), "n/a (not linear)"
+        else:
+            verdict = "does NOT fit (refused)" if refused else ("fits" if mib <= hbm * 1024 else "does NOT fit")
+            mib_text = f"{mib:,.0f}"
         times = "" if over is None else f"{over * 1e3:,.1f}" + ("" if serial is None else f" / {serial * 1e3:,.1f}")
         if job == "generate" and times:
             times = "decode " + times
-        print(f"| {model} | {target} | {job} | {variant} | {planned} | {per} | {label} | {mib:,.0f} | {verdict} | {times} |")
+        print(f"| {model} | {target} | {job} | {variant} | {planned} | {per} | {label} | {mib_text} | {verdict} | {times} |")
 
 
 def _ms(row: dict) -> str:
