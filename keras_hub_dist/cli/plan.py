@@ -3,13 +3,17 @@
 ```
 keras-hub-dist plan gemma_7b_en --mesh 1x8 --job fit --lora 8 --batch 8 --seq 2048 --hbm_gb 16
 keras-hub-dist plan llama3_8b_en --mesh 1x8 --job generate --batch 8 --seq 8192 --json -
+keras-hub-dist plan gemma_7b_en --mesh 1x8 --job fit --lora 8 --target v5e-8
 ```
 
 On a machine whose JAX runs on CPU the command simulates the mesh's
 devices (`jax_num_cpu_devices`), so a plan for 8 or 16 accelerators runs on
 a laptop; the figures are then those of XLA's CPU compiler (the plan says
-so). Exit status 0 when the job fits `--hbm_gb` (or no budget is given), 1
-when it does not, 2 on an error.
+so). `--target v5e-8` (`v6e-8`, `v4-8`, `v5p-8`, larger slices, `h100-8`)
+compiles with that chip's own compiler from this host instead (pip
+`keras-hub-dist[tpu]` / `[cuda-plan]`), budgets against its device memory
+and adds an estimated step time. Exit status 0 when the job fits `--hbm_gb`
+(or no budget is given), 1 when it does not, 2 on an error.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="Plan alternatives when the job does not fit. Default: on.",
     )
+    add("--target", default=None, help="Compile for this chip's compiler, e.g. v5e-8, v6e-8, h100-8 (jobs/targets.py). Default: this host's.")
     add("--json", dest="json_path", default=None, help="Write the plan as JSON to this file (- for stdout).")
 
 
@@ -80,7 +85,7 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
             args.preset, mesh, job=args.job, batch_size=args.batch, sequence_length=args.seq,
             optimizer=args.optimizer, lora_rank=args.lora, remat=args.remat, dtype=args.dtype,
             quantize=args.quantize, num_layers=args.num_layers, stock=args.stock,
-            hbm_gb=args.hbm_gb, alternatives=args.alternatives,
+            hbm_gb=args.hbm_gb, alternatives=args.alternatives, target=getattr(args, "target", None),
         )
     except (ValueError, RuntimeError) as error:
         print(f"keras-hub-dist plan: error: {error}", file=err)

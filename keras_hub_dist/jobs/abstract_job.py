@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import keras
+import numpy as np
 
 from keras_hub_dist import _compat
 from keras_hub_dist.adapters import enable_lora_without_values
@@ -74,11 +75,55 @@ class AbstractJob:
         finally:
             keras.distribution.set_distribution(previous)
 
+    @contextlib.contextmanager
+    def without_values(self) -> Iterator[None]:
+        """In the job's scope, the variables made in the block (an optimizer's
+        step count and learning rate, the metrics' totals, a sampler's seed,
+        made by `task.compile`) get no value and then the layout Keras would
+        give them: a compile-only device (a TPU / GPU target planned from a
+        CPU host) can hold no array."""
+        with self.scope():
+            with _compat.creating_variables_without_values() as created, _constants_deferred():
+                yield
+            self.lay_out(created)
+
     def lay_out(self, variables: Any) -> None:
         """Gives variables created without a value the layout Keras would."""
         with self.scope():
             for variable in variables:
                 _compat.initialize_layout(variable)
+
+
+@contextlib.contextmanager
+def _constants_deferred() -> Iterator[None]:
+    """Inside `creating_variables_without_values`, a variable made from a
+    constant (an optimizer's step count and learning rate, made when it is
+    constructed) takes an initializer returning it instead: Keras refuses a
+    constant in a stateless scope, and a value would be an array on the
+    distribution's devices, which a compile-only TPU / GPU target cannot
+    hold. `keras.Variable.__init__` is wrapped for the block only."""
+    cls = keras.Variable
+    own = "__init__" in vars(cls)
+    original = cls.__init__
+
+    def init(self, initializer=None, shape=None, dtype=None, *args, **kwargs):
+        if initializer is not None and not callable(initializer) and not isinstance(initializer, str):
+            value = np.asarray(initializer)
+            dtype, shape = dtype or value.dtype.name, value.shape if shape is None else shape
+
+            def initializer(shape, dtype=None, value=value):
+                return keras.ops.cast(keras.ops.reshape(value, shape), dtype)
+
+        original(self, initializer, shape, dtype, *args, **kwargs)
+
+    cls.__init__ = init
+    try:
+        yield
+    finally:
+        if own:
+            cls.__init__ = original
+        else:
+            del cls.__init__
 
 
 def sharding_of(variable: Any, distribution: keras.distribution.Distribution) -> jax.sharding.Sharding:
@@ -185,7 +230,11 @@ def abstract_job(
     job = AbstractJob(None, distribution, axis_sizes(keras_mesh), source)
     with job.scope():
         job.lay_out(backbone.weights)
-        job.task = task_cls(backbone=backbone, preprocessor=None)
+        # The task's constructor compiles it (KerasHub's default optimizer
+        # and sampler): their variables too are created without a value.
+        with _compat.creating_variables_without_values() as created, _constants_deferred():
+            job.task = task_cls(backbone=backbone, preprocessor=None)
+        job.lay_out(created)
         if lora_rank is not None:
             job.lay_out(enable_lora_without_values(job.task, rank=lora_rank))
     return job

@@ -47,7 +47,7 @@ import numpy as np
 from keras_hub_dist import _compat
 from keras_hub_dist.errors import PlanError
 from keras_hub_dist.formats import huggingface
-from keras_hub_dist.jobs import programs
+from keras_hub_dist.jobs import programs, targets
 from keras_hub_dist.jobs.abstract_job import AbstractJob, abstract_job, sharding_of
 from keras_hub_dist.shaping.generate import check_prompt_chunk
 from keras_hub_dist.plan import presets
@@ -87,6 +87,12 @@ class MemoryPlan:
         hbm_bytes: The per-device budget, if given.
         alternatives: Plans of changed jobs, when this one does not fit.
         change: For an alternative, what was changed (e.g. `"remat='full'"`).
+        target: The target compiled for (`"v5e-8"`), None: this host's CPU
+            compiler.
+        step_time: The ESTIMATED step time (`jobs.step_time.StepTime`), for
+            a target; None on the CPU compiler or when refused.
+        refusal: The target compiler's own out-of-memory refusal (TPU), if
+            it refused the program: `total_bytes` is then its figure.
     """
 
     job: str
@@ -106,6 +112,9 @@ class MemoryPlan:
     hbm_bytes: int | None = None
     alternatives: tuple["MemoryPlan", ...] = ()
     change: str | None = None
+    target: str | None = None
+    step_time: Any = None
+    refusal: str | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -140,9 +149,13 @@ class MemoryPlan:
         for label, value in rows:
             if value is not None and (value or label in ("total", "XLA temporaries")):
                 lines.append(f"  {label:<28}{value / _MIB:>12,.1f} MiB")
+        if self.refusal is not None:
+            lines.append(f"  the compiler refused it: {self.refusal}")
         if self.hbm_bytes is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {verdict} in {self.hbm_bytes / 2**30:g} GiB per device")
+        if self.step_time is not None:
+            lines.extend(self.step_time.lines())
         if self.alternatives:
             lines.append("alternatives:")
             for plan in self.alternatives:
@@ -203,6 +216,9 @@ def _per_device_bytes(variables: Any, job: AbstractJob) -> int:
 def _compiler() -> str:
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
+    if device.platform == "cpu":
+        # Not a target's compiler: it upcasts bf16 dots to f32 and fuses less.
+        return f"{targets.CPU_COMPILER}; plan_memory(..., target='v5e-8') for a TPU's"
     return f"{device.platform} (XLA's {device.platform.upper()} compiler, {kind})"
 
 
@@ -277,6 +293,7 @@ def plan_memory(
     sampler: str = "top_k",
     hbm_gb: float | None = None,
     alternatives: bool = True,
+    target: str | None = None,
 ) -> MemoryPlan:
     """Plans what each device holds for a job, from XLA, before any weight exists.
 
@@ -315,16 +332,30 @@ def plan_memory(
         hbm_gb: The per-device budget in GiB; the plan says whether the job
             fits and, if not, plans the alternatives.
         alternatives: Plan alternatives when the job does not fit.
+        target: Compile with that chip's compiler from this host
+            (`jobs.targets.TARGETS`: `"v5e-8"`, `"v6e-8"`, `"v4-8"`,
+            `"v5p-8"`, larger slices, `"h100-8"`): `mesh` is then a shape of
+            the target's devices, the budget defaults to a device's memory,
+            and the plan has an estimated step time. None: this host's
+            compiler (XLA's CPU compiler on simulated devices).
 
     Returns:
         A `MemoryPlan`: `summary()` for a table, `to_json()` for a dict.
 
     Raises:
         PlanError: An unknown job, optimizer or remat mode, a batch the
-            data axis does not divide, `lora_rank` < 1, too few devices.
+            data axis does not divide, `lora_rank` < 1, too few devices;
+            an unknown target, its compiler not installed, a mesh that is
+            not the target's device count, a budget over its memory.
         UnknownPresetError: An unknown named architecture.
     """
-    _device_count_check(mesh)
+    if target is not None:
+        target = targets.get_target(target)
+        targets.check_budget(target, hbm_gb)
+        hbm_gb = target.hbm_bytes / 2**30 if hbm_gb is None else hbm_gb
+        mesh = targets.target_mesh(target, mesh)
+    else:
+        _device_count_check(mesh)
     sizes = axis_sizes(device_mesh(mesh, abstract=True))
     _check(job, batch_size, sequence_length, lora_rank, remat, sizes)
     try:
@@ -354,12 +385,12 @@ def plan_memory(
     )
     if job == "generate" and sampler != "top_k":
         settings["sampler"] = sampler
-    plan = _plan_once(source, mesh, job, settings, optimizer, prompt_chunk, hbm_gb)
+    plan = _plan_once(source, mesh, job, settings, optimizer, prompt_chunk, hbm_gb, target=target)
     if alternatives and plan.fits is False:
         plan = dataclasses.replace(
             plan,
             alternatives=tuple(
-                _plan_once(source, alt_mesh, job, alt, optimizer, prompt_chunk, hbm_gb, change=change)
+                _plan_once(source, alt_mesh, job, alt, optimizer, prompt_chunk, hbm_gb, change=change, target=target)
                 for change, alt_mesh, alt in _alternatives(job, settings, mesh, sizes)
             ),
         )
@@ -388,8 +419,10 @@ def _alternatives(job: str, settings: Mapping[str, Any], mesh: Any, sizes: Mappi
 
 def _plan_once(
     source: _Source, mesh: Any, job: str, settings: Mapping[str, Any], optimizer: Any,
-    prompt_chunk: int | None, hbm_gb: float | None, change: str | None = None,
+    prompt_chunk: int | None, hbm_gb: float | None, change: str | None = None, target: Any = None,
 ) -> MemoryPlan:
+    if target is not None and not isinstance(mesh, jax.sharding.Mesh):
+        mesh = targets.target_mesh(target, mesh)
     # A loaded model's own layout map is for its own mesh only.
     layout_map = source.layout_map
     if layout_map is not None and axis_sizes(layout_map.device_mesh) != axis_sizes(device_mesh(mesh, abstract=True)):
@@ -405,32 +438,39 @@ def _plan_once(
         remat=settings["remat"],
     )
     task = built.task
-    kv_cache = None
+    kv_cache = step_time = refusal = None
+    lora = [v for v in task.weights if "lora_kernel" in v.path]
+    lora_ids = {id(v) for v in lora}
+    weights_bytes = _per_device_bytes([v for v in task.weights if id(v) not in lora_ids], built)
     if job == "fit":
         lowered = programs.lower_fit(built, settings["batch_size"], settings["sequence_length"], optimizer)
-        memory = programs.program_memory(lowered.compile())
     elif job == "generate":
         if settings.get("sampler"):
-            with built.scope():
+            with built.without_values():
                 task.compile(sampler=settings["sampler"])
         lowered, kv_cache = programs.lower_generate(
             built, settings["batch_size"], settings["sequence_length"],
             prompt_chunk=None if settings["stock"] else prompt_chunk, shard_batch=not settings["stock"],
         )
-        memory = programs.program_memory(lowered.compile())
+    if job in ("fit", "generate"):
+        memory, step_time, refusal = targets.compile_job(
+            lowered, target, job, task.backbone, built.mesh_axis_sizes, settings["batch_size"],
+            settings["sequence_length"], weights_bytes,
+            # Stock's cache is laid out by XLA: its decode estimate assumes ours.
+            kv_cache if kv_cache is not None or job != "generate" else programs.kv_cache_bytes(
+                built, settings["batch_size"], settings["sequence_length"]),
+        )
     else:
         weights = _per_device_bytes(task.weights, built)
         memory = dict(argument_bytes=weights, output_bytes=0, alias_bytes=0, temp_bytes=0, total_bytes=weights)
     optimizer_variables = list(getattr(getattr(task, "optimizer", None), "variables", None) or ())
-    lora = [v for v in task.weights if "lora_kernel" in v.path]
-    lora_ids = {id(v) for v in lora}
     return MemoryPlan(
         job=job,
         preset=source.label,
         mesh_axis_sizes=dict(built.mesh_axis_sizes),
         options=dict(settings),
-        compiler=_compiler(),
-        weights_bytes=_per_device_bytes([v for v in task.weights if id(v) not in lora_ids], built),
+        compiler=targets.compiler_label(target) if target is not None else _compiler(),
+        weights_bytes=weights_bytes,
         optimizer_bytes=_per_device_bytes(optimizer_variables, built) if job == "fit" else 0,
         lora_bytes=_per_device_bytes(lora, built),
         kv_cache_bytes=kv_cache,
@@ -441,4 +481,7 @@ def _plan_once(
         total_bytes=memory["total_bytes"],
         hbm_bytes=None if hbm_gb is None else int(hbm_gb * 2**30),
         change=change,
+        target=None if target is None else target.name,
+        step_time=step_time,
+        refusal=refusal,
     )

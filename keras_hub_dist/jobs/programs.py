@@ -167,11 +167,11 @@ def lower_fit(job: AbstractJob, batch_size: int, sequence_length: int, optimizer
     """
     task = job.task
     data = fit_batch(job, batch_size, sequence_length)
-    with job.scope():
-        # Keras creates the optimizer's and the metrics' scalars (step count,
-        # learning rate, loss tracker) when they are constructed, outside any
-        # stateless scope: a few bytes, allocated as `compile` allocates them.
+    # The optimizer's and the metrics' scalars (step count, learning rate,
+    # loss tracker), made when they are constructed, get no value either.
+    with job.without_values():
         task.compile(optimizer=optimizer_for(optimizer))
+    with job.scope():
         with _compat.creating_variables_without_values() as created:
             _compat.symbolic_build(task, data)
         job.lay_out(created)
