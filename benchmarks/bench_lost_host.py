@@ -31,7 +31,7 @@ S3), an HF export, `convert_checkpoint`, an adapter save and
 publish. Printed: per operation and event, the K swept and, over them, the
 worst kill -> error and kill -> exit and every exit status seen.
 
-    python benchmarks/bench_lost_host.py --sweep [--heartbeat 10] [--victims 1] [--max-k 40] [--ops load,save,...]
+    python benchmarks/bench_lost_host.py --sweep [--heartbeat 10] [--victims 1] [--max-k 40] [--stride 1] [--ops load,save,...]
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=240, help="seconds a survivor may take to exit")
     parser.add_argument("--sweep", action="store_true", help="kill at every event (the test hook)")
     parser.add_argument("--max-k", type=int, default=40)
+    parser.add_argument("--stride", type=int, default=1, help="sweep K = 1, 1 + stride, ...")
     parser.add_argument("--ops", default=",".join(SWEEP))
     args = parser.parse_args()
     if args.sweep:
@@ -189,13 +190,13 @@ def sweep(args: argparse.Namespace) -> None:
             for event in events:
                 for victim in map(int, args.victims.split(",")):
                     rows = []
-                    for k in range(1, args.max_k + 1):
+                    for k in range(1, args.max_k + 1, args.stride):
                         case += 1
                         out = root / f"case{case}"
                         (out / "job").mkdir(parents=True)
                         env = {}
                         if preset_name == "tiny@s3":
-                            remote = stack.enter_context(stores.checkpoint_everywhere(tiny, s3=s3, schemes=("s3",)))["s3"]
+                            remote = stack.enter_context(stores.checkpoint_everywhere(tiny, s3=s3, gcs=None, schemes=("s3",)))["s3"]
                             preset, env = remote.url, remote.env
                         else:
                             preset = presets[preset_name]
@@ -241,12 +242,13 @@ def sweep(args: argparse.Namespace) -> None:
             print(f"| {op} | {event} | {victim} | none reached | {rows[0]['error'][:60] if rows else '-'} | | | |")
             continue
         raised = sorted({r["raised"] for r in done})
+        swept = ",".join(str(r["k"]) for r in done) if args.stride > 1 else f"1-{done[-1]['k']}"
         errors = [r["error_s"] for r in done if r["error_s"] is not None]
         worst_error = f"{max(errors):.2f} s" if errors else "-"
         missing = len(done) - len(errors)
         if missing:
             worst_error += f" ({missing} without a Python error)"
-        print(f"| {op} | {event} | {victim} | 1-{done[-1]['k']} | {', '.join(raised)} | {worst_error} | "
+        print(f"| {op} | {event} | {victim} | {swept} | {', '.join(raised)} | {worst_error} | "
               f"{max(r['exit_s'] for r in done):.2f} s | {', '.join(str(c) for c in sorted({r['exit'] for r in done}))} |")
 
 

@@ -82,7 +82,7 @@ _DONE_KEY = "keras_hub_dist/done/"
 # itself (a watched wait: 0.05 s), then to raise it once it is put into
 # that thread (Python code), before its error is printed and the process
 # ends (a thread stuck in native code).
-_OWN_RAISE_S, _PUT_RAISE_S = 1.0, 2.0
+_OWN_RAISE_S, _PUT_RAISE_S = 0.5, 1.5
 
 
 def start_beats(client: Any, timeout_s: int) -> None:

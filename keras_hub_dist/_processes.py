@@ -14,11 +14,8 @@ hold bytes of.
 
 A process of the job lost mid-operation (preempted, OOM-killed) ends the
 operation on the survivors with its `ProcessLostError`
-(`raises_process_lost`, on every public operation), noticed at once where a
-collective's connection closes and within the heartbeat where a wait would
-never end (`await_ready`, `watching_peers`, on the beats `initialize`
-starts); the survivors then end without waiting for the lost process at
-exit. See docs/multi-host.md.
+(`raises_process_lost`, on every public operation), wherever they wait:
+`_lost.py`, on the beats `initialize` starts. See docs/multi-host.md.
 
 Example:
 
