@@ -168,7 +168,10 @@ class CheckpointProcessLostError(ProcessLostError, CheckpointError):
 
 
 def process_lost_class(error_class: type[Exception]) -> type[ProcessLostError]:
-    """The `ProcessLostError` that is also an `error_class`."""
+    """The `ProcessLostError` that is also an `error_class` (itself for
+    one of its own bases: a loss outside any operation)."""
+    if not issubclass(error_class, (PresetError, SaveError, CheckpointError)):
+        return ProcessLostError
     for lost in (SaveProcessLostError, CheckpointProcessLostError, LoadProcessLostError):
         if issubclass(lost, error_class):
             return lost

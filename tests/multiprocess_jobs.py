@@ -245,21 +245,27 @@ def weights_only_checkpoint(root, preset):
     return str(directory)
 
 
-def run_lost_process_job(worker, args, out_dir, victim=1, heartbeat_s=5, limit_s=TIME_LIMIT_S):
+def run_lost_process_job(worker, args, out_dir, victim=1, heartbeat_s=5, limit_s=TIME_LIMIT_S, kill_at=""):
     """Runs the 2-process x 4-device job of `worker`
     (tests/remote/lost_process_worker.py) with `args` (PRESET PHASE TARGET),
     SIGKILLs process `victim` once it writes `out_dir/ready.json` (at its
     phase's known point) and waits for the survivor to end. Returns the
     figures at the events: `kill_to_error_s` (the SIGKILL to the survivor
     catching its error, by its own clock), `kill_to_exit_s`, the survivor's
-    `exit` status, its report (`process_<id>.json`) and stderr."""
+    `exit` status, its report (`process_<id>.json`) and stderr.
+
+    With `kill_at` ("OPERATION.EVENT:K"), the victim's test hook
+    (`KERAS_HUB_DIST_TEST_KILL_AT`) kills it at that event instead: the
+    kill's time is the one the hook writes on its stderr; `reached` is
+    False (and the times None) when the victim finished without reaching
+    it."""
     import time
 
     port = free_port()
     procs = [
         worker_zygote.spawn(
             [sys.executable, str(worker), str(i), "2", str(port), "4", *map(str, args), str(out_dir),
-             str(heartbeat_s), str(victim)],
+             str(heartbeat_s), str(victim), kill_at],
             env=child_env(),
         )
         for i in range(2)
@@ -268,6 +274,8 @@ def run_lost_process_job(worker, args, out_dir, victim=1, heartbeat_s=5, limit_s
     ready = out_dir / "ready.json"
     try:
         deadline = time.monotonic() + limit_s
+        if kill_at:
+            return _await_kill_at(procs, victim, out_dir, deadline, limit_s)
         while not ready.exists():  # the victim writes it, then waits to be killed
             if any(p.poll() is not None for p in procs):
                 codes = [p.poll() for p in procs]
@@ -300,3 +308,62 @@ def run_lost_process_job(worker, args, out_dir, victim=1, heartbeat_s=5, limit_s
         "report": report,
         "stderr": err,
     }
+
+
+def _await_kill_at(procs, victim, out_dir, deadline, limit_s):
+    """`run_lost_process_job`'s end when the victim's test hook kills it."""
+    import time
+
+    victim_proc, survivor = procs[victim], procs[1 - victim]
+    try:
+        victim_proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the victim neither reached its kill point nor ended in {limit_s} s")
+    hook = re.search(r"test hook: SIGKILL at \S+ t=([\d.]+)", victim_proc.stderr.read())
+    if hook is None:  # it finished (or failed) without reaching the event
+        survivor.wait(timeout=limit_s)
+        return {"reached": False, "exit": survivor.returncode, "victim_exit": victim_proc.returncode,
+                "kill_to_error_s": None, "kill_to_exit_s": None, "report": {}, "stderr": survivor.stderr.read()}
+    killed = float(hook.group(1))
+    try:
+        _, err = survivor.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the survivor did not exit within {limit_s} s of the kill")
+    exited = time.time()
+    path = out_dir / f"process_{1 - victim}.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
+    caught = report.get("caught")
+    return {
+        "reached": True,
+        "kill_to_error_s": None if caught is None else caught - killed,
+        "kill_to_exit_s": exited - killed,
+        "exit": survivor.returncode,
+        "report": report,
+        "stderr": err,
+    }
+
+
+def lost_process_hf_and_adapter(root):
+    """For the lost-process jobs of the Hugging Face format: a tiny Llama 3
+    preset (`root/tiny3`, 2 blocks, width 64), it saved in the Hugging Face
+    format (`root/tiny_hf`), and a LoRA adapter of it (rank 2, nonzero
+    factors, `root/adapter`). Returns their paths."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    import keras_hub_dist
+
+    tiny = keras_hub_dist.write_synthetic_preset(
+        str(root / "tiny3"), keras_hub.models.Llama3Backbone, dtype="float32", seed=5,
+        vocabulary_size=256, num_layers=2, num_query_heads=8, num_key_value_heads=8, hidden_dim=64,
+        intermediate_dim=128)
+    keras.distribution.set_distribution(None)
+    model = keras_hub_dist.load_sharded_preset(tiny, mesh=(1, 8), progress=False)
+    keras_hub_dist.save_sharded_preset(model, str(root / "tiny_hf"), format="huggingface", progress=False)
+    model.enable_lora(2)
+    for variable in model.trainable_variables:
+        variable.assign(np.full(variable.shape, 0.01, variable.dtype))
+    keras_hub_dist.save_lora_adapter(model, str(root / "adapter"), progress=False)
+    keras.distribution.set_distribution(None)
+    return tiny, str(root / "tiny_hf"), str(root / "adapter")

@@ -28,6 +28,9 @@ RANKS = {
     "errors": 0,
     "_compat": 1,
     "_progress": 1,
+    # A lost process (its error, the beats that notice it, the test hook
+    # that kills one), then what the processes agree on.
+    "_lost": 1.5,
     "_processes": 2,
     # Where bytes live and how they move (files, HTTP ranges, object stores,
     # host buffers): nothing of what the bytes mean.

@@ -343,6 +343,7 @@ def _exchange(
     piece = shape[exchange.dim] // exchange.parts // len(exchange.rounds)
     update = _exchanger(shape, exchange.dim, exchange.parts, piece, sharding)
     for round_, host_blocks in rounds:
+        _processes.reached("exchange")
         pieces = jax.make_array_from_single_device_arrays(
             round_.shape, pieces_sharding, placer.place_all(host_blocks)
         )
@@ -469,6 +470,7 @@ def execute_plan(
     prefetch = Prefetch(plan.variables, produce, prefetch_threads or num_threads, prefetch_bytes)
     try:
         for var, future in prefetch:
+            _processes.reached("variable")
             try:
                 read_sharding = shardings[var.path]
                 if var.device_perm is not None:

@@ -223,6 +223,7 @@ def _write(
         blocks = plans.get(name)
         if error or not blocks:
             return
+        _processes.reached("part")
         array = _saved_array(value)
         try:
             shards = {s.device.id: s for s in array.addressable_shards} if isinstance(array, jax.Array) else {}
@@ -392,5 +393,6 @@ def finish_export(
     `folder` as `target` (`staging.publish`), once every tensor is written."""
     with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
         f.write(checksummed_index(layout, paths, digests))
+    _processes.reached("publish")
     staging.publish(folder, target, token, durable=durable)
 

@@ -370,6 +370,7 @@ def save_lora_adapter(
             def finish() -> None:
                 with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
                     f.write(checksummed_index(layout, paths, digests))
+                _processes.reached("publish")
                 staging.publish(folder, target, token, durable=durable)
 
             error = _guard(finish)

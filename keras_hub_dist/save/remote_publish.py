@@ -275,6 +275,7 @@ def publish(
 ) -> None:
     """Completes the uploads, then writes the small files, config.json last
     (see the module doc)."""
+    _processes.reached("publish")
     config = names["config"]
     if config in existing:
         writer.delete([config])  # the old preset is unreadable from here on

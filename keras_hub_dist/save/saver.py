@@ -411,6 +411,7 @@ def write_blocks(
                     return
                 if error:
                     return
+                _processes.reached("part")
                 try:
                     write_value(entry, _saved_array(value), files, stats, on_cpu=on_cpu)
                 except Exception as e:  # noqa: BLE001 - reported on every process
@@ -477,6 +478,7 @@ def finish_preset(
     publishes `folder` as `target` (`staging.publish`), once every block is
     written."""
     write_metadata(folder, backbone, files, digests, names)
+    _processes.reached("publish")
     staging.publish(folder, target, token, durable=durable)
 
 

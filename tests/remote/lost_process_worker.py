@@ -4,6 +4,7 @@ benchmarks/bench_lost_host.py).
 
 Usage: python lost_process_worker.py PROCESS_ID NUM_PROCESSES PORT
            LOCAL_DEVICES PRESET PHASE TARGET OUT_DIR [HEARTBEAT_S] [VICTIM]
+           [KILL_AT]
 
 Joins the job with `keras_hub_dist.initialize` (heartbeat HEARTBEAT_S,
 default 5; 0: `jax.distributed.initialize` with JAX's defaults, the setup
@@ -14,6 +15,14 @@ checkpoint TARGET). Process
 VICTIM (default 1) stops at a known point of that phase (its third variable
 read, third positioned write, first part upload, first checkpoint read),
 writes OUT_DIR/ready.json (its pid and the time) and waits to be SIGKILLed.
+With KILL_AT ("OPERATION.EVENT:K", the package's test hook
+`KERAS_HUB_DIST_TEST_KILL_AT`, set on the victim alone) the victim instead
+SIGKILLs itself at that event; PHASE may then also be `hf` (a save in the
+Hugging Face format), `convert` (PRESET converted to TARGET),
+`adapter-save` (LoRA factors of PRESET saved to TARGET), `adapter-load`
+(PRESET, an HF checkpoint, loaded with the adapter TARGET), `stuck-native`
+/ `stuck-python` (a load-like operation whose survivor waits where the
+package does not watch: in JAX's key-value store, in a Python loop).
 The survivor writes OUT_DIR/process_<id>.json when the operation raises
 (the time, the error's classes and message, its `lost` and `phase`) and
 lets the error end the process, as a user's script would.
@@ -34,6 +43,9 @@ def main() -> None:
     preset, phase, target, out_dir = sys.argv[5:9]
     heartbeat = int(sys.argv[9]) if len(sys.argv) > 9 else 5
     victim = int(sys.argv[10]) if len(sys.argv) > 10 else 1
+    kill_at = sys.argv[11] if len(sys.argv) > 11 else ""
+    if kill_at and process_id == victim:
+        os.environ["KERAS_HUB_DIST_TEST_KILL_AT"] = kill_at
     simulate_cpu_devices(local_devices)
     import keras_hub_dist
 
@@ -71,8 +83,10 @@ def main() -> None:
 
         setattr(owner, name, stopping)
 
-    if phase != "load":
+    if phase not in ("load", "convert", "adapter-load"):
         model = keras_hub_dist.load_sharded_preset(preset, mesh=(1, 8), progress=False)
+    if kill_at:  # the victim's test hook kills it: no stop points
+        stop_at = lambda *_: None  # noqa: E731
     if phase == "load":
         from keras_hub_dist.load import execute
 
@@ -94,6 +108,30 @@ def main() -> None:
 
         stop_at(orbax_checkpoint, "read_arrays", 1)
         operation = lambda: keras_hub_dist.restore_checkpoint(model, target, progress=False)  # noqa: E731
+    elif phase == "hf":
+        operation = lambda: keras_hub_dist.save_sharded_preset(  # noqa: E731
+            model, target, format="huggingface", progress=False)
+    elif phase == "convert":
+        operation = lambda: keras_hub_dist.convert_checkpoint(  # noqa: E731
+            preset, target, to="huggingface", progress=False)
+    elif phase == "adapter-save":
+        model.enable_lora(2)
+        operation = lambda: keras_hub_dist.save_lora_adapter(model, target, progress=False)  # noqa: E731
+    elif phase == "adapter-load":
+        operation = lambda: keras_hub_dist.load_sharded_preset(  # noqa: E731
+            preset, mesh=(1, 8), lora_adapter=target, progress=False)
+    elif phase in ("stuck-native", "stuck-python"):
+        from keras_hub_dist import PresetError, _compat, _processes
+
+        def stuck():
+            _processes.check_all(None, PresetError, "Agreeing")  # load.step:1
+            _processes.reached("step")  # load.step:2: the victim dies once both agreed
+            if phase == "stuck-native":
+                _compat.distributed_client().blocking_key_value_get("never set", 120_000)
+            while True:
+                time.sleep(0.05)
+
+        operation = _processes.raises_process_lost(PresetError, "the load", _processes.LOAD_LEFT)(stuck)
     else:
         sys.exit(f"unknown phase {phase!r}")
     try:

@@ -1,13 +1,16 @@
 """A process of a 2-process x 4-device job (loopback, gloo, started with
-`keras_hub_dist.initialize`) SIGKILLed at a known point mid-load, mid-save
-(a directory, S3) and mid-restore: the survivor raises the operation's
+`keras_hub_dist.initialize`) SIGKILLed by the package's test hook at a
+chosen event (a variable placed, an exchange round, a cross-process step, a
+part written, the publish) of a load (Keras and HF formats, a directory and
+S3), a save (a directory, S3), an HF export, `convert_checkpoint`, an
+adapter save and load, and `restore_checkpoint`: the survivor raises the operation's
 `ProcessLostError` naming process 1 within the heartbeat (plus a margin for
 this shared machine), exits with status 1 (no SIGABRT, no exit-time hang),
 nothing is readable at the target, and the next save sweeps what was left.
 
-The times are those of the events: the test's SIGKILL (once the victim has
-written that it reached its point) and the survivor's own clock when it
-caught the error (tests/remote/lost_process_worker.py)."""
+The times are those of the events: the victim's SIGKILL (the time its hook
+wrote) and the survivor's own clock when it caught the error
+(tests/remote/lost_process_worker.py)."""
 
 import functools
 import pathlib
@@ -21,7 +24,12 @@ import keras_hub_dist
 from keras_hub_dist import StaleStagingWarning
 from keras_hub_dist.save import remote_publish
 from keras_hub_dist.storage import uploads
-from tests.multiprocess_jobs import lost_process_presets, run_lost_process_job, weights_only_checkpoint
+from tests.multiprocess_jobs import (
+    lost_process_hf_and_adapter,
+    lost_process_presets,
+    run_lost_process_job,
+    weights_only_checkpoint,
+)
 
 WORKER = pathlib.Path(__file__).with_name("lost_process_worker.py")
 # Beats are sent and read once a second: 3 s still lets a starved beat
@@ -41,35 +49,101 @@ def presets(tmp_path_factory):
     return (root, *lost_process_presets(root))
 
 
+@pytest.fixture(scope="module")
+def hf_presets(presets):
+    """(a tiny Llama 3 preset, it in the HF format, a LoRA adapter of it)."""
+    return lost_process_hf_and_adapter(presets[0])
+
+
 def _checkpoint(root, preset):
     directory = root / "checkpoint"
     return str(directory) if directory.exists() else weights_only_checkpoint(root, preset)
 
 
-@pytest.mark.parametrize("phase", ["load", "save", "s3", "restore"])
-def test_a_killed_process_raises_process_lost_on_the_survivor(presets, remote_target, tmp_path, phase):
+# A few kill points per operation, from the first event to the last
+# (benchmarks/bench_lost_host.py --sweep kills at every one): the victim's
+# test hook (KERAS_HUB_DIST_TEST_KILL_AT) SIGKILLs it at its K-th EVENT.
+KILLS = [
+    ("load", "tiny", None, "load.exchange:2", "PresetError"),
+    ("load", "tiny@s3", None, "load.variable:9", "PresetError"),
+    ("save", "tiny", "dir", "save.part:2", "SaveError"),
+    ("s3", "parts", "s3", "save.step:1", "SaveError"),
+    ("s3", "parts", "s3", "save.publish:1", "SaveError"),
+    ("hf", "tiny3", "dir", "save.step:4", "SaveError"),
+    ("convert", "tiny3", "dir", "conversion.step:2", "SaveError"),
+    ("adapter-save", "tiny3", "dir", "adapter-save.publish:1", "SaveError"),
+    ("adapter-load", "tiny_hf", "adapter", "load.exchange:1", "PresetError"),
+    ("restore", "tiny", "checkpoint", "restore.step:2", "CheckpointError"),
+]
+
+
+@pytest.mark.parametrize(("phase", "source", "target_kind", "kill_at", "wanted"), KILLS,
+                         ids=[f"{k[0]}-{k[3]}" for k in KILLS])
+def test_a_process_killed_at_an_event_raises_process_lost_on_the_survivor(
+        presets, hf_presets, remote_target, remote_checkpoint, tmp_path, phase, source, target_kind, kill_at,
+        wanted):
     root, tiny, parts = presets
-    preset, target = tiny, str(tmp_path / "saved")
-    if phase == "s3":
-        preset, remote = parts, remote_target("s3")
-        target = remote.url
-    elif phase == "restore":
+    tiny3, tiny_hf, adapter = hf_presets
+    if source == "tiny@s3":
+        preset = remote_checkpoint(tiny, schemes=("s3",))["s3"].url
+    else:
+        preset = {"tiny": tiny, "parts": parts, "tiny3": tiny3, "tiny_hf": tiny_hf}[source]
+    target = "-"
+    if target_kind == "dir":
+        target = str(tmp_path / "saved")
+    elif target_kind == "s3":
+        target = remote_target("s3").url
+    elif target_kind == "adapter":
+        target = adapter
+    elif target_kind == "checkpoint":
         pytest.importorskip("orbax.checkpoint")
         target = _checkpoint(root, tiny)
     out = tmp_path / "job"
     out.mkdir()
-    result = run_lost_process_job(WORKER, [preset, phase, target], out, heartbeat_s=HEARTBEAT_S)
+    result = run_lost_process_job(WORKER, [preset, phase, target], out, heartbeat_s=HEARTBEAT_S, kill_at=kill_at)
+    assert result["reached"], f"the victim ended before {kill_at}"
     report = result["report"]
     assert result["exit"] == 1 and report, result["stderr"][-3000:]
-    wanted = {"load": "PresetError", "save": "SaveError", "s3": "SaveError", "restore": "CheckpointError"}[phase]
     assert "ProcessLostError" in report["classes"] and wanted in report["classes"], report
-    assert report["lost"] == [1] and "lost process 1 " in report["message"], report["message"]
+    assert report["lost"] == [1] and "lost process 1 on " in report["message"], report["message"]
+    operation = kill_at.split(".")[0].replace("-", " ")
+    assert report["phase"] == f"the {operation}", report
     assert "dataset" not in report["message"] and "Loading variable" not in report["message"]
     assert result["kill_to_error_s"] <= BOUND_S and result["kill_to_exit_s"] <= BOUND_S + 4, result
-    print(f"{phase}: kill -> error {result['kill_to_error_s']:.2f} s, kill -> exit {result['kill_to_exit_s']:.2f} s")
+    print(f"{phase} {kill_at}: kill -> error {result['kill_to_error_s']:.2f} s, "
+          f"kill -> exit {result['kill_to_exit_s']:.2f} s")
 
-    if phase in ("save", "s3"):
-        _check_nothing_published_then_swept(preset, target, phase)
+    if kill_at.endswith(".publish:1"):
+        # Process 1 lost after process 0 published: the target is whole, and
+        # the error says so instead of "nothing published".
+        assert "published whole before the loss" in report["message"], report["message"]
+        assert "Left behind: nothing published" not in report["message"]
+        return
+    if target_kind in ("dir", "s3"):
+        _check_nothing_published_then_swept(tiny3 if source == "tiny3" else preset, target,
+                                            "save" if target_kind == "dir" else "s3")
+
+
+@pytest.mark.parametrize("phase", ["stuck-python", "stuck-native"])
+def test_a_survivor_waiting_where_the_package_does_not_watch_still_ends_named(presets, tmp_path, phase):
+    """The survivor in a wait of no package code (a Python loop; JAX's own
+    key-value wait, in native code) when process 1 is lost: the beats'
+    thread puts the loss into the operation's thread (a Python loop raises
+    it), else prints it and ends the process, status 1 either way, before
+    JAX's coordinator would abort it (SIGABRT at 4 heartbeats)."""
+    out = tmp_path / "job"
+    out.mkdir()
+    result = run_lost_process_job(WORKER, [presets[1], phase, "-"], out, heartbeat_s=HEARTBEAT_S,
+                                  kill_at="load.step:2")
+    assert result["reached"] and result["exit"] == 1, (result["exit"], result["stderr"][-3000:])
+    assert result["kill_to_exit_s"] <= BOUND_S + 2, result
+    if phase == "stuck-python":
+        assert "LoadProcessLostError" in result["report"]["classes"], result["report"]
+        assert result["report"]["lost"] == [1]
+        return
+    assert not result["report"], result["report"]  # no Python error: the thread is held in native code
+    ended = "keras_hub_dist: keras_hub_dist.errors.LoadProcessLostError: The load lost process 1 on "
+    assert ended in result["stderr"] and "stuck in native code" in result["stderr"], result["stderr"][-3000:]
 
 
 def test_a_killed_coordinator_leaves_a_bucket_the_next_save_sweeps(presets, remote_target, tmp_path):
@@ -131,7 +205,7 @@ def _check_nothing_published_then_swept(preset, target, phase):
 def test_only_a_jax_collective_or_heartbeat_failure_is_a_lost_process(monkeypatch):
     """What the survivors see, told apart from a file's or a store's error
     (in one process: the job's size faked)."""
-    from keras_hub_dist import PresetError, _processes
+    from keras_hub_dist import PresetError, _lost, _processes
 
     monkeypatch.setattr(_processes.jax, "process_count", lambda: 4)
     monkeypatch.setattr(_processes.jax, "process_index", lambda: 0)
@@ -151,5 +225,5 @@ def test_only_a_jax_collective_or_heartbeat_failure_is_a_lost_process(monkeypatc
     assert _processes.lost_processes("UNAVAILABLE: Task 3 heartbeat timeout. This indicates") == (3,)
     unhealthy = "The following tasks are unhealthy (stopped sending heartbeats):\n1\n2\nThe tasks have crashed."
     assert _processes.lost_processes(unhealthy) == (1, 2)
-    monkeypatch.setattr(_processes, "_HOSTS", {0: "a (10.0.0.1)", 1: "b (10.0.0.2)", 2: "c (10.0.0.3)"})
+    monkeypatch.setattr(_lost, "HOSTS", {0: "a (10.0.0.1)", 1: "b (10.0.0.2)", 2: "c (10.0.0.3)"})
     assert _processes.lost_processes(str(gloo)) == (1,)
